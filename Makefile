@@ -1,0 +1,28 @@
+# The two commands of a fresh machine: `make demo` (the main job on a built-in default) and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test test-all bench clean
+
+$(STAMP): setup.py pyproject.toml csrc/packing.cpp scripts/setup_venv.sh
+	bash scripts/setup_venv.sh
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	bash pretrain_scripts/data_demo.sh
+
+test: $(STAMP)
+	$(PY) -m pytest -q -m "not slow and not gpu"
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m "not gpu"
+
+bench: $(STAMP)
+	$(PY) benchmarks/bench_preprocess.py
+	$(PY) benchmarks/bench_packing.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info megatron_patch/_C*.so data/demo

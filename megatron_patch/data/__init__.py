@@ -1,0 +1,1 @@
+"""Data: tokenizers, Megatron's indexed (.bin/.idx) format, preprocessing, training datasets, packing."""

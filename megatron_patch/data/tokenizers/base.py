@@ -1,0 +1,72 @@
+"""The one tokenizer interface every `--tokenizer-type` implements.
+
+The attribute names are the ones megatron-core's datasets read (`vocab_size`, `eod`, `pad`, `cls`,
+`sep`, `mask`, `inv_vocab`), so an instance can be passed straight to megatron-core's dataset configs.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Dict, List, Sequence
+
+# megatron-core's datasets treat -1 as "this tokenizer has no pad token".
+NO_TOKEN = -1
+
+
+class AbstractTokenizer(ABC):
+    """Text <-> token ids. Subclasses set `name` and implement the abstract members."""
+
+    name: str = "abstract"
+
+    @abstractmethod
+    def tokenize(self, text: str) -> List[int]:
+        """Ids of `text`, without any special tokens added."""
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        """Ids of many texts; subclasses override this with a batched (Rust) path."""
+        return [self.tokenize(t) for t in texts]
+
+    @abstractmethod
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of `ids`."""
+
+    @property
+    @abstractmethod
+    def vocab(self) -> Dict[str, int]:
+        """Token string -> id."""
+
+    @property
+    def inv_vocab(self) -> Dict[int, str]:
+        if not hasattr(self, "_inv_vocab"):
+            self._inv_vocab = {v: k for k, v in self.vocab.items()}
+        return self._inv_vocab
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.vocab)
+
+    @property
+    def eod(self) -> int:
+        """End-of-document id appended by `--append-eod` and used between documents in samples."""
+        raise NotImplementedError(f"{self.name} has no end-of-document token")
+
+    @property
+    def pad(self) -> int:
+        return NO_TOKEN
+
+    def _special(self, what: str) -> int:
+        raise NotImplementedError(f"{self.name} has no {what} token; BERT data needs a WordPiece vocabulary")
+
+    @property
+    def cls(self) -> int:
+        return self._special("[CLS]")
+
+    @property
+    def sep(self) -> int:
+        return self._special("[SEP]")
+
+    @property
+    def mask(self) -> int:
+        return self._special("[MASK]")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size})"

@@ -1,0 +1,78 @@
+"""BERT WordPiece (vocab.txt), lower-cased or cased, run by the Rust `tokenizers` library.
+
+Same normalisation as Google's BERT / Hugging Face's BertTokenizerFast: clean text, split CJK
+characters, lower-case and strip accents for the uncased variant, `##` continuation pieces.
+"""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Sequence
+
+from tokenizers import BertWordPieceTokenizer
+
+from .base import AbstractTokenizer
+
+
+class _BertWordPiece(AbstractTokenizer):
+    """Shared code of the two BERT variants; use the subclasses."""
+
+    lower_case = True
+
+    def __init__(self, vocab_file: str) -> None:
+        if not vocab_file:
+            raise ValueError(f"{self.name} needs --vocab-file PATH to a BERT vocab.txt")
+        if not os.path.isfile(vocab_file):
+            raise FileNotFoundError(f"--vocab-file {vocab_file}: no such file")
+        self._tok = BertWordPieceTokenizer(
+            vocab_file, lowercase=self.lower_case, strip_accents=self.lower_case, clean_text=True,
+            handle_chinese_chars=True,
+        )
+        self._vocab = self._tok.get_vocab()
+        for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]"):
+            if t not in self._vocab:
+                raise ValueError(f"--vocab-file {vocab_file} lacks {t}; it is not a BERT WordPiece vocabulary")
+        self._batch = getattr(self._tok._tokenizer, "encode_batch_fast", self._tok._tokenizer.encode_batch)
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return [e.ids for e in self._batch(list(texts), add_special_tokens=False)]
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=False)
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return self._vocab
+
+    @property
+    def cls(self) -> int:
+        return self._vocab["[CLS]"]
+
+    @property
+    def sep(self) -> int:
+        return self._vocab["[SEP]"]
+
+    @property
+    def mask(self) -> int:
+        return self._vocab["[MASK]"]
+
+    @property
+    def pad(self) -> int:
+        return self._vocab["[PAD]"]
+
+    @property
+    def eod(self) -> int:
+        # Megatron-LM's BERT tokenizers end documents with [SEP].
+        return self.sep
+
+
+class BertWordPieceLowerCase(_BertWordPiece):
+    name = "BertWordPieceLowerCase"
+    lower_case = True
+
+
+class BertWordPieceCase(_BertWordPiece):
+    name = "BertWordPieceCase"
+    lower_case = False

@@ -1,0 +1,52 @@
+"""SentencePiece model file (.model), run by Google's `sentencepiece` library (the reference)."""
+from __future__ import annotations
+
+import os
+from typing import Dict, List, Sequence
+
+from .base import NO_TOKEN, AbstractTokenizer
+
+
+class SentencePieceTokenizer(AbstractTokenizer):
+    name = "SentencePieceTokenizer"
+
+    def __init__(self, tokenizer_model: str) -> None:
+        import sentencepiece as spm
+
+        if not tokenizer_model:
+            raise ValueError("SentencePieceTokenizer needs --tokenizer-model PATH to a .model file")
+        if not os.path.isfile(tokenizer_model):
+            raise FileNotFoundError(f"--tokenizer-model {tokenizer_model}: no such file")
+        self._sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
+        self._vocab = {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())}
+
+    def tokenize(self, text: str) -> List[int]:
+        return self._sp.encode(text, out_type=int)
+
+    def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
+        return self._sp.encode(list(texts), out_type=int)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._sp.decode(list(ids))
+
+    @property
+    def vocab(self) -> Dict[str, int]:
+        return self._vocab
+
+    @property
+    def vocab_size(self) -> int:
+        return self._sp.get_piece_size()
+
+    @property
+    def eod(self) -> int:
+        if self._sp.eos_id() < 0:
+            raise NotImplementedError("this SentencePiece model has no </s> (eos) piece to end documents with")
+        return self._sp.eos_id()
+
+    @property
+    def pad(self) -> int:
+        return self._sp.pad_id() if self._sp.pad_id() >= 0 else NO_TOKEN
+
+    @property
+    def bos(self) -> int:
+        return self._sp.bos_id()
