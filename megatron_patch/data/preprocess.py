@@ -300,7 +300,7 @@ def preprocess(args: argparse.Namespace) -> Totals:
                 os.remove(pp[k] + ".bin")
                 os.remove(pp[k] + ".idx")
     dt = max(time.time() - t0, 1e-9)
-    print(f"done: {totals.docs} documents, {totals.tokens} tokens, {totals.nbytes / 1e6:.2f} MB in {dt:.2f} s "
+    print(f"done: {totals.docs} documents read, {totals.tokens} tokens written, {totals.nbytes / 1e6:.2f} MB in {dt:.2f} s "
           f"({totals.docs / dt:.0f} docs/s, {totals.nbytes / dt / 1e6:.2f} MB/s) with {args.workers} worker(s)",
           file=sys.stderr)
     if totals.bad:

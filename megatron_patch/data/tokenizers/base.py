@@ -16,6 +16,12 @@ class AbstractTokenizer(ABC):
     """Text <-> token ids. Subclasses set `name` and implement the abstract members."""
 
     name: str = "abstract"
+    source: Dict[str, str] = {}  # the files it was built from; part of the dataset cache key
+
+    @property
+    def unique_identifiers(self) -> Dict[str, object]:
+        """What megatron-core hashes into its dataset cache names."""
+        return {"class": self.name, "vocab_size": self.vocab_size, **self.source}
 
     @abstractmethod
     def tokenize(self, text: str) -> List[int]:

@@ -19,6 +19,7 @@ class _BertWordPiece(AbstractTokenizer):
     lower_case = True
 
     def __init__(self, vocab_file: str) -> None:
+        self.source = {"vocab_file": vocab_file}
         if not vocab_file:
             raise ValueError(f"{self.name} needs --vocab-file PATH to a BERT vocab.txt")
         if not os.path.isfile(vocab_file):

@@ -29,6 +29,7 @@ class GPT2BPETokenizer(AbstractTokenizer):
     name = "GPT2BPETokenizer"
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
+        self.source = {"vocab_file": vocab_file, "merge_file": merge_file}
         _check_file(vocab_file, "--vocab-file")
         _check_file(merge_file, "--merge-file")
         with open(vocab_file, encoding="utf-8") as f:

@@ -11,6 +11,7 @@ class HuggingFaceTokenizer(AbstractTokenizer):
     name = "HuggingFaceTokenizer"
 
     def __init__(self, tokenizer_model: str) -> None:
+        self.source = {"tokenizer_model": tokenizer_model}
         if not tokenizer_model or not os.path.isdir(tokenizer_model):
             raise ValueError(
                 f"HuggingFaceTokenizer needs --tokenizer-model DIR, a local directory saved with "
@@ -22,10 +23,10 @@ class HuggingFaceTokenizer(AbstractTokenizer):
         self._vocab = self._tok.get_vocab()
 
     def tokenize(self, text: str) -> List[int]:
-        return self._tok(text, add_special_tokens=False)["input_ids"]
+        return self._tok(text, add_special_tokens=False, verbose=False)["input_ids"]
 
     def tokenize_batch(self, texts: Sequence[str]) -> List[List[int]]:
-        return self._tok(list(texts), add_special_tokens=False)["input_ids"]
+        return self._tok(list(texts), add_special_tokens=False, verbose=False)["input_ids"]
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids))

@@ -11,6 +11,7 @@ class SentencePieceTokenizer(AbstractTokenizer):
     name = "SentencePieceTokenizer"
 
     def __init__(self, tokenizer_model: str) -> None:
+        self.source = {"tokenizer_model": tokenizer_model}
         import sentencepiece as spm
 
         if not tokenizer_model:

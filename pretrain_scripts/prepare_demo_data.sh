@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Build the built-in demo data, offline: a JSONL corpus of real English (the docstrings of Python's
+# standard library), a GPT-2 style BPE tokenizer trained on it, and its Megatron .bin/.idx files.
+# Each step is skipped when its output exists. Prints the --data-path prefix on the last line.
+#   DEMO_DIR (default data/demo)   VOCAB_SIZE (default 8000)   PY (default .venv/bin/python)
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PY=${PY:-$ROOT/.venv/bin/python}
+DEMO_DIR=${DEMO_DIR:-$ROOT/data/demo}
+VOCAB_SIZE=${VOCAB_SIZE:-8000}
+mkdir -p "$DEMO_DIR"
+cd "$ROOT"
+
+if [ ! -f "$DEMO_DIR/corpus.jsonl" ]; then
+  echo "[1/3] building the demo corpus (stdlib docstrings) -> $DEMO_DIR/corpus.jsonl" >&2
+  "$PY" -m megatron_patch.data.demo_corpus --output "$DEMO_DIR/corpus.jsonl" >&2
+fi
+if [ ! -f "$DEMO_DIR/gpt2-merges.txt" ]; then
+  echo "[2/3] training a GPT-2 BPE tokenizer (vocab $VOCAB_SIZE) -> $DEMO_DIR/gpt2-vocab.json, gpt2-merges.txt" >&2
+  "$PY" tools/train_tokenizer.py --type gpt2 --input "$DEMO_DIR/corpus.jsonl" --output-dir "$DEMO_DIR" \
+    --vocab-size "$VOCAB_SIZE" >&2
+fi
+if [ ! -f "$DEMO_DIR/demo_text_document.idx" ]; then
+  echo "[3/3] tokenizing into Megatron .bin/.idx -> $DEMO_DIR/demo_text_document" >&2
+  "$PY" tools/preprocess_data.py --input "$DEMO_DIR/corpus.jsonl" --output-prefix "$DEMO_DIR/demo" \
+    --vocab "$DEMO_DIR/gpt2-vocab.json" --merge-file "$DEMO_DIR/gpt2-merges.txt" --dataset-impl mmap \
+    --tokenizer-type GPT2BPETokenizer --append-eod --workers 2 --log-interval 2000 >&2
+fi
+echo "$DEMO_DIR/demo_text_document"
