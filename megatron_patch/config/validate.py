@@ -1,0 +1,111 @@
+"""Rejections of impossible settings, run before any process group starts. Each says how to fix it."""
+from __future__ import annotations
+
+from .config import Config, ConfigError
+
+
+def _fail(msg: str) -> None:
+    raise ConfigError(msg)
+
+
+def validate(c: Config, world_size: int) -> None:
+    tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
+    if tp < 1 or pp < 1:
+        _fail("--tensor-model-parallel-size and --pipeline-model-parallel-size must be at least 1")
+    if world_size % (tp * pp):
+        _fail(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+              f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} processes "
+              f"(GPUS=...) or change TP/PP")
+    dp = world_size // (tp * pp)
+    if c.num_attention_heads % tp:
+        _fail(f"--num-attention-heads {c.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}; "
+              f"choose a TP size that divides the number of heads")
+    groups = c.num_query_groups or c.num_attention_heads
+    if c.num_attention_heads % groups:
+        _fail(f"--num-attention-heads {c.num_attention_heads} is not a multiple of --num-query-groups {groups}")
+    if groups % tp:
+        _fail(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
+              f"lower TP or use more query groups")
+    if c.hidden_size % c.num_attention_heads:
+        _fail(f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads {c.num_attention_heads}")
+    if c.num_layers % pp:
+        _fail(f"--num-layers {c.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
+              f"each pipeline stage needs the same number of layers")
+    if c.num_layers_per_virtual_pipeline_stage is not None:
+        v = c.num_layers_per_virtual_pipeline_stage
+        if pp < 2:
+            _fail("--num-layers-per-virtual-pipeline-stage needs --pipeline-model-parallel-size > 1 (interleaved 1F1B)")
+        if v < 1 or c.num_layers % (pp * v):
+            _fail(f"--num-layers {c.num_layers} is not divisible by --pipeline-model-parallel-size {pp} x "
+                  f"--num-layers-per-virtual-pipeline-stage {v} = {pp * v}")
+        if c.num_layers // (pp * v) < 2:
+            _fail(f"--num-layers-per-virtual-pipeline-stage {v} gives one virtual stage per rank; lower it "
+                  f"so that --num-layers / (PP x it) >= 2, or drop it for plain 1F1B")
+    if c.global_batch_size is None:
+        c.global_batch_size = c.micro_batch_size * dp
+    if c.micro_batch_size < 1 or c.global_batch_size % (c.micro_batch_size * dp):
+        _fail(f"--global-batch-size {c.global_batch_size} is not divisible by --micro-batch-size "
+              f"{c.micro_batch_size} x data-parallel size {dp} = {c.micro_batch_size * dp}; gradient accumulation "
+              f"needs a whole number of micro batches per rank")
+    if c.num_layers_per_virtual_pipeline_stage is not None and (c.global_batch_size // (c.micro_batch_size * dp)) % pp:
+        _fail(f"interleaved pipelining needs the number of micro batches ({c.global_batch_size // (c.micro_batch_size * dp)}) "
+              f"to be a multiple of --pipeline-model-parallel-size {pp}; raise --global-batch-size")
+    zero = [n for n, on in ((1, c.zero_1_memory_optimization), (2, c.zero_2_memory_optimization),
+                            (3, c.zero_3_memory_optimization)) if on]
+    if len(zero) > 1:
+        _fail(f"choose one ZeRO stage, not {' and '.join(f'--zero-{z}-memory-optimization' for z in zero)}")
+    if c.zero_3_memory_optimization and (tp > 1 or pp > 1):
+        _fail("--zero-3-memory-optimization cannot be combined with tensor or pipeline parallelism (the "
+              "documentation allows only ZeRO-1/2 with 3D parallelism); use --zero-2-memory-optimization or TP=PP=1")
+    if c.zero_3_memory_optimization:
+        _fail("--zero-3-memory-optimization is for Hugging Face models through the rapidformer front end; "
+              "the Megatron engine supports --zero-1-memory-optimization and --zero-2-memory-optimization")
+    if c.zero_2_memory_optimization:
+        _fail("--zero-2-memory-optimization (Megatron-FSDP) is not available in this build yet; "
+              "use --zero-1-memory-optimization (distributed optimizer)")
+    if c.sequence_parallel and tp < 2:
+        _fail("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits activations across TP ranks)")
+    if c.mixed_precision:
+        # Rapidformer's --mixed-precision is FP16 training; bf16 is the explicit --bf16.
+        if c.bf16:
+            _fail("--mixed-precision means fp16 and cannot be combined with --bf16; pass only one of them")
+        c.fp16 = True
+    if c.fp16 and c.bf16:
+        _fail("--fp16 and --bf16 are mutually exclusive; pass only one")
+    if c.checkpoint_activations and c.recompute_granularity is None:
+        c.recompute_granularity = "full"
+    if c.recompute_granularity not in (None, "full", "selective"):
+        _fail(f"--recompute-granularity {c.recompute_granularity!r}: choose full or selective")
+    if c.optimizers not in ("apex_adam", "apex_lamb"):
+        _fail(f"--optimizers {c.optimizers!r}: choose apex_adam or apex_lamb")
+    if c.optimizers == "apex_lamb" and c.zero_1_memory_optimization:
+        _fail("--optimizers apex_lamb needs whole parameters for its trust ratio, but "
+              "--zero-1-memory-optimization shards them across ranks; use apex_adam with ZeRO, or LAMB without it")
+    if c.cpu_offload and not c.zero_1_memory_optimization:
+        _fail("--cpu-offload keeps the sharded optimizer state on the CPU and needs ZeRO: add "
+              "--zero-1-memory-optimization (the documentation requires ZeRO with CPU offload)")
+    if c.lr_decay_style not in ("constant", "linear", "cosine"):
+        _fail(f"--lr-decay-style {c.lr_decay_style!r}: choose constant, linear or cosine")
+    if c.lr_warmup_fraction is not None and c.lr_warmup_iters:
+        _fail("pass --lr-warmup-fraction or --lr-warmup-iters, not both")
+    if c.position_embedding_type not in ("learned_absolute", "rope"):
+        _fail(f"--position-embedding-type {c.position_embedding_type!r}: choose learned_absolute or rope")
+    if c.normalization not in ("LayerNorm", "RMSNorm"):
+        _fail(f"--normalization {c.normalization!r}: choose LayerNorm or RMSNorm")
+    if c.max_position_embeddings is None:
+        c.max_position_embeddings = c.seq_length
+    if c.position_embedding_type == "learned_absolute" and c.seq_length > c.max_position_embeddings:
+        _fail(f"--seq-length {c.seq_length} exceeds --max-position-embeddings {c.max_position_embeddings}")
+    if not c.data_path and not c.mock_data:
+        _fail("no training data: pass --data-path PREFIX (made by tools/preprocess_data.py) or --mock-data")
+    if c.data_path and c.tokenizer_type is None:
+        _fail("--data-path needs --tokenizer-type (and its --vocab-file/--merge-file/--tokenizer-model)")
+    if c.mock_data and not c.data_path and c.vocab_size is None:
+        c.vocab_size = 1024
+    if c.save_interval is not None and not c.save:
+        _fail("--save-interval needs --save DIR")
+    if c.train_iters < 1:
+        _fail("--train-iters must be at least 1")
+    c.world_size = world_size
+    c.data_parallel_size = dp
+    c.num_microbatches = c.global_batch_size // (c.micro_batch_size * dp)

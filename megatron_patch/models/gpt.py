@@ -1,0 +1,121 @@
+"""GPT-2 and Llama-style families (RoPE, SwiGLU, RMSNorm, GQA, untied) as megatron-core GPTModel."""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from megatron_patch.config import Config
+
+from .sdpa_attention import SDPAttention
+
+
+def padded_vocab_size(vocab_size: int, cfg: Config) -> int:
+    """Round the tokenizer's vocabulary up to a multiple of lcm(--make-vocab-size-divisible-by, TP).
+
+    Megatron-LM multiplies the two, so its padded size changes with TP; the lcm keeps one padded size
+    for every TP that divides the multiple, so checkpoints move between TP layouts unchanged.
+    """
+    multiple = math.lcm(cfg.make_vocab_size_divisible_by, cfg.tensor_model_parallel_size)
+    return -(-vocab_size // multiple) * multiple
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+
+        return True
+    except Exception:
+        return False
+
+
+def resolve_attention_backend(cfg: Config) -> str:
+    if cfg.attention_backend == "auto":
+        return "te" if transformer_engine_available() else "sdpa"
+    if cfg.attention_backend == "te" and not transformer_engine_available():
+        raise RuntimeError("--attention-backend te needs Transformer Engine, which is not installed; use sdpa")
+    return cfg.attention_backend
+
+
+def build_transformer_config(cfg: Config) -> TransformerConfig:
+    dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
+    on_gpu = torch.cuda.is_available()
+    return TransformerConfig(
+        num_layers=cfg.num_layers,
+        hidden_size=cfg.hidden_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_query_groups,
+        ffn_hidden_size=cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        normalization=cfg.normalization,
+        layernorm_epsilon=cfg.norm_epsilon,
+        gated_linear_unit=cfg.swiglu,
+        activation_func=F.silu if cfg.swiglu else F.gelu,
+        add_bias_linear=not cfg.disable_bias_linear,
+        add_qkv_bias=cfg.add_qkv_bias or not cfg.disable_bias_linear,
+        hidden_dropout=cfg.hidden_dropout,
+        attention_dropout=cfg.attention_dropout,
+        init_method_std=cfg.init_method_std,
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        sequence_parallel=cfg.sequence_parallel,
+        bf16=cfg.bf16,
+        fp16=cfg.fp16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        autocast_dtype=dtype,
+        recompute_granularity=cfg.recompute_granularity,
+        recompute_method=cfg.recompute_method if cfg.recompute_granularity == "full" else None,
+        recompute_num_layers=cfg.recompute_num_layers if cfg.recompute_granularity == "full" else None,
+        attention_softmax_in_fp32=True,
+        # Fusions that need apex/TE kernels or CUDA are off; torch.compile fuses instead.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        use_cpu_initialization=not on_gpu,
+        # gloo runs a batch of isend/irecv as independent messages; with PP=2 both directions share one
+        # peer and interleaved 1F1B can pair them wrongly. Unbatched p2p orders them by rank parity.
+        batch_p2p_comm=on_gpu,
+        perform_initialization=True,
+    )
+
+
+def layer_spec(cfg: Config) -> ModuleSpec:
+    backend = resolve_attention_backend(cfg)
+    if backend == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+    if backend == "sdpa":
+        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    return spec
+
+
+def build_gpt_model(cfg: Config, vocab_size: int, pre_process: bool = True, post_process: bool = True,
+                    vp_stage: Optional[int] = None) -> GPTModel:
+    """One pipeline stage (or virtual stage `vp_stage`) of the model, on this rank's device."""
+    model = GPTModel(
+        config=build_transformer_config(cfg),
+        transformer_layer_spec=layer_spec(cfg),
+        vocab_size=padded_vocab_size(vocab_size, cfg),
+        max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
+        position_embedding_type=cfg.position_embedding_type,
+        rotary_base=cfg.rotary_base,
+        vp_stage=vp_stage,
+    )
+    if torch.cuda.is_available():
+        model.cuda(torch.cuda.current_device())
+    return model

@@ -1,0 +1,1 @@
+"""The pretraining loop on megatron-core: schedules, optimizer, lr schedule, checkpoints, logging."""

@@ -1,0 +1,141 @@
+"""Checkpoints with megatron-core's dist_checkpointing (torch_dist format): model, optimizer, lr
+schedule, RNG, iteration and data position.
+
+Layout: `{save}/iter_0000100/` plus `{save}/latest_checkpointed_iteration.txt`. A checkpoint is written
+into `iter_XXXXXXX.tmp/`, renamed when every rank has finished, and only then is the tracker file
+replaced, so a crash never leaves a checkpoint that looks complete. Model weights load into any TP/PP
+layout (dist_checkpointing reshards them); optimizer state follows the model for the plain optimizer
+and moves between DP sizes for ZeRO-1; RNG state is restored only into the same layout.
+"""
+from __future__ import annotations
+
+import os
+import random
+import shutil
+from typing import Dict, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import dist_checkpointing
+from megatron.core import parallel_state as mpu
+from megatron.core.dist_checkpointing.mapping import ShardedObject
+from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+from megatron_patch.config import Config
+
+TRACKER = "latest_checkpointed_iteration.txt"
+OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def checkpoint_dir(root: str, iteration: int) -> str:
+    return os.path.join(root, f"iter_{iteration:07d}")
+
+
+def read_tracker(root: str) -> Optional[int]:
+    path = os.path.join(root, TRACKER)
+    if not os.path.isfile(path):
+        return None
+    text = open(path).read().strip()
+    if not text.isdigit():
+        raise ValueError(f"{path}: expected an iteration number, found {text!r}")
+    return int(text)
+
+
+def _layout(cfg: Config) -> Dict[str, int]:
+    return {"tp": cfg.tensor_model_parallel_size, "pp": cfg.pipeline_model_parallel_size,
+            "dp": cfg.data_parallel_size, "vpp": cfg.virtual_pipeline_model_parallel_size or 1,
+            "zero1": int(cfg.zero_1_memory_optimization)}
+
+
+def _unwrap(m):
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+def _model_state(model) -> Dict:
+    if len(model) == 1:
+        return {"model": _unwrap(model[0]).sharded_state_dict()}
+    return {f"model{i}": _unwrap(m).sharded_state_dict() for i, m in enumerate(model)}
+
+
+def _rng_state() -> ShardedObject:
+    state = {"random": random.getstate(), "np": np.random.get_state(), "torch": torch.get_rng_state(),
+             "cuda": torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
+             "tracker": get_cuda_rng_tracker().get_states()}
+    return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
+
+
+def save_checkpoint(cfg: Config, iteration: int, model, optimizer, scheduler, consumed_samples: int) -> str:
+    """Write checkpoint `iteration` under --save (collective: every rank calls it)."""
+    final = checkpoint_dir(cfg.save, iteration)
+    tmp = final + ".tmp"
+    if dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    state = _model_state(model)
+    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=OPT_METADATA)
+    state.update(iteration=iteration, consumed_samples=consumed_samples, opt_param_scheduler=scheduler.state_dict(),
+                 layout=_layout(cfg), rng_state=_rng_state())
+    dist_checkpointing.save(state, tmp)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        if os.path.exists(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        with open(os.path.join(cfg.save, TRACKER + ".tmp"), "w") as f:
+            f.write(str(iteration))
+        os.replace(os.path.join(cfg.save, TRACKER + ".tmp"), os.path.join(cfg.save, TRACKER))
+    dist.barrier()
+    return final
+
+
+def load_checkpoint(cfg: Config, model, optimizer, scheduler, load_optimizer: bool = True) -> Dict[str, int]:
+    """Restore from --load; returns {"iteration", "consumed_samples"} (zeros when there is no checkpoint)."""
+    iteration = read_tracker(cfg.load)
+    if iteration is None:
+        if dist.get_rank() == 0:
+            print(f"no checkpoint in --load {cfg.load} ({TRACKER} missing): starting from scratch", flush=True)
+        return {"iteration": 0, "consumed_samples": 0}
+    path = checkpoint_dir(cfg.load, iteration)
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{cfg.load}/{TRACKER} names iteration {iteration}, but {path} does not exist")
+    common = dist_checkpointing.load_common_state_dict(path)
+    same_layout = common.get("layout") == _layout(cfg)
+    zero1_moved = common.get("layout", {}).get("zero1") and not same_layout and any(
+        common["layout"][k] != _layout(cfg)[k] for k in ("tp", "pp", "vpp", "zero1"))
+    load_optimizer = load_optimizer and not zero1_moved
+    state = _model_state(model)
+    if load_optimizer:
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=OPT_METADATA)
+    if same_layout:
+        state["rng_state"] = _rng_state()
+    loaded = dist_checkpointing.load(state, path)
+    for i, m in enumerate(model):
+        _unwrap(m).load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
+    if load_optimizer:
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+    else:
+        # The model may live in other buffers now: refresh the optimizer's fp32 main copies from it.
+        if hasattr(optimizer, "reload_model_params"):
+            optimizer.reload_model_params()
+    if same_layout:
+        rng = loaded["rng_state"]
+        random.setstate(rng["random"])
+        np.random.set_state(rng["np"])
+        torch.set_rng_state(rng["torch"])
+        if rng["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(rng["cuda"])
+        get_cuda_rng_tracker().set_states(rng["tracker"])
+    if dist.get_rank() == 0:
+        notes = []
+        if not same_layout:
+            notes.append(f"layout {common.get('layout')} -> {_layout(cfg)}: weights resharded, RNG not restored")
+        if zero1_moved:
+            notes.append("ZeRO-1 optimizer state moves only between DP sizes: optimizer and lr schedule start fresh")
+        print(f"loaded checkpoint {path} (iteration {iteration})" + ("; " + "; ".join(notes) if notes else ""), flush=True)
+    return {"iteration": common["iteration"], "consumed_samples": common["consumed_samples"]}

@@ -1,0 +1,288 @@
+"""`pretrain(cfg)`: the training loop on megatron-core.
+
+Order of set-up: process groups -> tokenizer and data -> model chunks (one per virtual pipeline stage)
+-> mixed-precision wrapper -> megatron-core DDP (ZeRO-1: distributed optimizer) -> optimizer and lr
+schedule -> checkpoint load. Each iteration runs megatron-core's forward/backward schedule (no
+pipelining, 1F1B, or interleaved 1F1B), one optimizer step, then logging, evaluation and saving.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from megatron_patch.config import Config
+from megatron_patch.models import build_gpt_model
+from megatron_patch.models.init import layout_invariant_init
+from megatron_patch.parallel import initialize, print_rank_0
+
+from . import checkpointing
+from .data import build_datasets, build_iterator, tokenizer_from_config
+from .metrics import flops_per_token, peak_tflops
+from .optimizer import build_optimizer, build_scheduler
+
+
+class TrainingDiverged(RuntimeError):
+    """Raised when the loss becomes NaN/Inf (with --exit-on-nan, the default)."""
+
+
+def build_model(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
+    """Model chunks of this rank, wrapped for mixed precision and megatron-core DDP."""
+    vpp = cfg.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp in range(vpp or 1):
+        stage = vp if vpp else None
+        chunk = build_gpt_model(
+            cfg, vocab_size,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+        )
+        if cfg.init_layout_invariant:
+            layout_invariant_init(chunk, cfg.seed, cfg.init_method_std, cfg.swiglu)
+        chunks.append(chunk)
+    tconfig = chunks[0].config
+    if cfg.bf16 or cfg.fp16:
+        chunks = [Float16Module(tconfig, c) for c in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.zero_1_memory_optimization,
+        check_for_nan_in_grad=False, bucket_size=None,
+    )
+    return [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)]
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def forward_step(data_iterator, model, seq_length: int):
+    """One micro batch through one model chunk; returns the output and the loss function."""
+    batch = next(data_iterator)
+    dev = _device()
+    tokens = batch["tokens"].to(dev, non_blocking=True)
+    labels = batch["labels"].to(dev, non_blocking=True)
+    loss_mask = batch["loss_mask"].to(dev, non_blocking=True).float()
+    position_ids = batch["position_ids"].to(dev, non_blocking=True)
+    output = model(tokens, position_ids, None, labels=labels)
+
+    def loss_func(output_tensor):
+        losses = output_tensor.float()
+        total = loss_mask.sum()
+        loss = (losses.view(-1) * loss_mask.view(-1)).sum() / total.clamp(min=1)
+        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
+
+    return output, loss_func
+
+
+def _mean_loss(losses: List[Dict[str, torch.Tensor]]) -> float:
+    """Mean of the micro-batch losses over the global batch, known on every rank afterwards."""
+    t = torch.zeros(2, device=_device())
+    if mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0 and losses:
+        t[0] = sum(x["lm loss"].float() for x in losses)
+        t[1] = len(losses)
+    dist.all_reduce(t)
+    return (t[0] / t[1]).item() if t[1] > 0 else float("nan")
+
+
+def count_parameters(model) -> int:
+    """Parameters of the whole model (all TP/PP ranks), each counted once."""
+    local = 0
+    for chunk in model:
+        for p in chunk.parameters():
+            if getattr(p, "shared", False) and not mpu.is_pipeline_first_stage(ignore_virtual=True):
+                continue  # a tied output layer on the last stage repeats the embedding
+            local += p.numel()
+    t = torch.tensor([local], dtype=torch.float64, device=_device())
+    dist.all_reduce(t, group=mpu.get_model_parallel_group())
+    return int(t.item())
+
+
+class Trainer:
+    """Holds the state of one pretraining run; `train()` runs it."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = initialize(cfg)
+        self.tokenizer = tokenizer_from_config(cfg)
+        self.model = build_model(cfg, self.tokenizer.vocab_size)
+        self.optimizer, self.optimizer_name = build_optimizer(cfg, self.model)
+        self.scheduler = build_scheduler(cfg, self.optimizer)
+        tconfig = self.model[0].config
+        tconfig.finalize_model_grads_func = finalize_model_grads
+        tconfig.grad_scale_func = self.optimizer.scale_loss
+        self.iteration, self.consumed_samples = 0, 0
+        if cfg.load:
+            state = checkpointing.load_checkpoint(cfg, self.model, self.optimizer, self.scheduler,
+                                                  load_optimizer=not cfg.no_load_optim)
+            self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
+        self.train_ds, self.valid_ds, self.test_ds = build_datasets(cfg, self.tokenizer)
+        self.num_params = count_parameters(self.model)
+        self.fwd_bwd = get_forward_backward_func()
+        self.history: List[Dict[str, float]] = []
+        self._writer = None
+        if cfg.tensorboard_dir and dist.get_rank() == dist.get_world_size() - 1:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(cfg.tensorboard_dir)
+
+    def _iterators(self, dataset, consumed: int, cycle: bool):
+        n = len(self.model)
+        return [build_iterator(dataset, self.cfg, consumed, cycle) for _ in range(n)] if n > 1 else \
+            build_iterator(dataset, self.cfg, consumed, cycle)
+
+    def _run_batches(self, iterator, forward_only: bool):
+        cfg = self.cfg
+        return self.fwd_bwd(
+            forward_step_func=partial(forward_step, seq_length=cfg.seq_length), data_iterator=iterator,
+            model=self.model, num_microbatches=cfg.num_microbatches, seq_length=cfg.seq_length,
+            micro_batch_size=cfg.micro_batch_size, forward_only=forward_only,
+        )
+
+    def train_step(self, iterator) -> Dict[str, float]:
+        for m in self.model:
+            m.train()
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        losses = self._run_batches(iterator, forward_only=False)
+        lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(increment=self.cfg.global_batch_size)
+        return {"loss": _mean_loss(losses), "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                "skipped": float(not ok), "lr": lr}
+
+    @torch.no_grad()
+    def evaluate(self, dataset, iters: int, consumed: int = 0) -> float:
+        if dataset is None or iters <= 0:
+            return float("nan")
+        for m in self.model:
+            m.eval()
+        iterator = self._iterators(dataset, consumed, cycle=True)
+        total = 0.0
+        for _ in range(iters):
+            total += _mean_loss(self._run_batches(iterator, forward_only=True))
+        for m in self.model:
+            m.train()
+        return total / iters
+
+    def save(self) -> None:
+        path = checkpointing.save_checkpoint(self.cfg, self.iteration, self.model, self.optimizer, self.scheduler,
+                                             self.consumed_samples)
+        print_rank_0(f"saved checkpoint {path}")
+
+    def _log(self, metrics: Dict[str, float], dt: float, iters: int) -> None:
+        cfg = self.cfg
+        tokens = cfg.global_batch_size * cfg.seq_length * iters
+        tps = tokens / dt
+        tflops = tps * flops_per_token(self.num_params, cfg.num_layers, cfg.hidden_size, cfg.seq_length) / 1e12
+        peak = peak_tflops()
+        per_gpu = tflops / dist.get_world_size()
+        lr = metrics["lr"]
+        scale = self.optimizer.get_loss_scale().item() if hasattr(self.optimizer, "get_loss_scale") else 1.0
+        mem = (f" | mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if torch.cuda.is_available() else "")
+        mfu = f" | MFU {100 * per_gpu / peak:.1f}%" if peak else ""
+        line = (f"iteration {self.iteration:>6}/{cfg.train_iters} | loss {metrics['loss']:.4f} | lr {lr:.3e} | "
+                f"grad norm {metrics['grad_norm']:.3f} | loss scale {scale:g} | {1000 * dt / iters:.0f} ms/iter | "
+                f"tokens/s {tps:,.0f} | TFLOP/s/GPU {per_gpu:.1f}{mfu}{mem}")
+        if metrics["skipped"]:
+            line += " | step skipped (inf/nan grads, loss scale lowered)"
+        print_rank_0(line)
+        if self._writer:
+            for k, v in (("lm loss", metrics["loss"]), ("learning-rate", lr), ("grad-norm", metrics["grad_norm"]),
+                         ("loss-scale", scale), ("tokens-per-sec", tps), ("tflops-per-gpu", per_gpu)):
+                self._writer.add_scalar(k, v, self.iteration)
+
+    def train(self) -> List[Dict[str, float]]:
+        cfg = self.cfg
+        print_rank_0(
+            f"model: {cfg.model_family or 'custom'} {self.num_params / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
+            f"hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, seq {cfg.seq_length} | "
+            f"TP {cfg.tensor_model_parallel_size} PP {cfg.pipeline_model_parallel_size} DP {cfg.data_parallel_size}"
+            f"{' VPP ' + str(cfg.virtual_pipeline_model_parallel_size) if cfg.virtual_pipeline_model_parallel_size else ''}"
+            f" | {cfg.params_dtype_name} | ZeRO-{1 if cfg.zero_1_memory_optimization else 0} | "
+            f"micro batch {cfg.micro_batch_size} x {cfg.num_microbatches} accumulation x DP {cfg.data_parallel_size} = "
+            f"global batch {cfg.global_batch_size} | optimizer: {self.optimizer_name}")
+        if cfg.skip_train:
+            return self._final_evaluation()
+        train_iter = self._iterators(self.train_ds, self.consumed_samples, cycle=False)
+        bar = None
+        if dist.get_rank() == 0 and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.train_iters, initial=self.iteration, desc="training", unit="it", leave=False)
+        t0, since = time.time(), 0
+        while self.iteration < cfg.train_iters:
+            metrics = self.train_step(train_iter)
+            self.iteration += 1
+            self.consumed_samples += cfg.global_batch_size
+            since += 1
+            metrics["iteration"] = self.iteration
+            self.history.append(metrics)
+            if cfg.metrics_file and dist.get_rank() == 0:
+                with open(cfg.metrics_file, "a") as f:
+                    f.write(json.dumps(metrics) + "\n")
+            if bar:
+                bar.update(1)
+                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+            if not math.isfinite(metrics["loss"]):
+                msg = f"loss is {metrics['loss']} at iteration {self.iteration}"
+                print_rank_0("error: " + msg)
+                if cfg.exit_on_nan:
+                    raise TrainingDiverged(msg + " (pass --no-exit-on-nan to continue)")
+            if self.iteration % cfg.log_interval == 0 or self.iteration == cfg.train_iters:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                self._log(metrics, time.time() - t0, since)
+                t0, since = time.time(), 0
+            if cfg.eval_iters > 0 and cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
+                val = self.evaluate(self.valid_ds, cfg.eval_iters)
+                if cfg.metrics_file and dist.get_rank() == 0:
+                    with open(cfg.metrics_file, "a") as f:
+                        f.write(json.dumps({"iteration": self.iteration, "valid_loss": val}) + "\n")
+                print_rank_0(f"validation at iteration {self.iteration} | lm loss {val:.4f} | ppl {math.exp(min(val, 50)):.2f}")
+                if self._writer:
+                    self._writer.add_scalar("validation lm loss", val, self.iteration)
+                t0 = time.time()
+            if cfg.save and cfg.save_interval and self.iteration % cfg.save_interval == 0:
+                self.save()
+                t0 = time.time()
+            if cfg.exit_interval and self.iteration % cfg.exit_interval == 0:
+                print_rank_0(f"exiting at iteration {self.iteration} (--exit-interval {cfg.exit_interval})")
+                break
+        if bar:
+            bar.close()
+        if cfg.save and (not cfg.save_interval or self.iteration % cfg.save_interval):
+            self.save()
+        if self._writer:
+            self._writer.flush()
+        return self.history
+
+    def _final_evaluation(self) -> List[Dict[str, float]]:
+        cfg = self.cfg
+        result = {"iteration": self.iteration, "valid_loss": self.evaluate(self.valid_ds, cfg.eval_iters),
+                  "test_loss": self.evaluate(self.test_ds, cfg.eval_iters)}
+        print_rank_0(f"evaluation at iteration {self.iteration} | validation lm loss {result['valid_loss']:.6f} | "
+                     f"test lm loss {result['test_loss']:.6f}")
+        if cfg.metrics_file and dist.get_rank() == 0:
+            with open(cfg.metrics_file, "a") as f:
+                f.write(json.dumps(result) + "\n")
+        self.history.append(result)
+        return self.history
+
+
+def pretrain(cfg: Config) -> Trainer:
+    """Build and run a pretraining job; returns the Trainer (its `history` holds per-iteration metrics)."""
+    trainer = Trainer(cfg)
+    trainer.train()
+    return trainer

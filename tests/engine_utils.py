@@ -1,0 +1,54 @@
+"""Run the pretraining entry point as users do (torchrun, several CPU processes with gloo) and read back
+its per-iteration metrics and the full (unsharded) weights of its checkpoint."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from typing import Dict, List
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ("--mock-data --vocab-size 128 --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
+        "--micro-batch-size 2 --global-batch-size 8 --train-iters 5 --lr 1e-4 --log-interval 1 --eval-interval 5 "
+        "--eval-iters 2 --hidden-dropout 0 --attention-dropout 0 --init-layout-invariant --seed 7").split()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_engine(workdir, nproc: int, *args: str, base=TINY, check: bool = True, timeout: int = 900):
+    """Run pretrain_megatron_gpt.py under torchrun; returns (metrics lines, completed process)."""
+    os.makedirs(workdir, exist_ok=True)
+    metrics = os.path.join(str(workdir), "metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(free_port()), os.path.join(ROOT, "pretrain_megatron_gpt.py"), *base, *args, "--metrics-file", metrics]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(workdir), env=env, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"engine failed ({proc.returncode}): {' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    lines = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
+    return lines, proc
+
+
+def train_losses(lines: List[dict]) -> List[float]:
+    return [x["loss"] for x in lines if "loss" in x]
+
+
+def full_weights(checkpoint: str) -> Dict[str, torch.Tensor]:
+    """Model tensors of a dist_checkpointing (torch_dist) checkpoint, unsharded, keyed by global name."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = checkpoint.rstrip("/") + ".pt"
+    if not os.path.exists(out):
+        dcp_to_torch_save(checkpoint, out)
+    state = torch.load(out, weights_only=False)
+    return {k: v for k, v in state.items() if torch.is_tensor(v) and not k.startswith("optimizer.")}
