@@ -92,6 +92,36 @@ def save_checkpoint(cfg: Config, iteration: int, model, optimizer, scheduler, co
     return final
 
 
+def _ensure_optimizer_state(optimizer) -> None:
+    """torch's Adam creates its state at the first step, but megatron-core's distributed optimizer reads
+    that state (including `step`) to build the dict it loads into: create it empty beforehand."""
+    for w in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(w, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    inner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
+                                      "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _restore_adam_step(optimizer, loaded_optimizer) -> None:
+    """megatron-core 0.19.2's distributed optimizer restores torch Adam's per-parameter `step` from the
+    parameter-state shards, which do not carry it (they hold the placeholder made above), after setting it
+    correctly from the param groups; put the param groups' step back so bias correction resumes exactly."""
+    groups = (loaded_optimizer.get("optimizer") or {}).get("param_groups") if isinstance(loaded_optimizer, dict) else None
+    steps = {g["step"] for g in groups or [] if "step" in g}
+    if len(steps) != 1:
+        return
+    step = float(steps.pop())
+    for w in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(w, "optimizer", None)
+        for state in getattr(inner, "state", {}).values():
+            if "step" in state and torch.is_tensor(state["step"]):
+                state["step"] = torch.tensor(step, dtype=state["step"].dtype, device=state["step"].device)
+
+
 def load_checkpoint(cfg: Config, model, optimizer, scheduler, load_optimizer: bool = True) -> Dict[str, int]:
     """Restore from --load; returns {"iteration", "consumed_samples"} (zeros when there is no checkpoint)."""
     iteration = read_tracker(cfg.load)
@@ -109,6 +139,7 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, load_optimizer: bo
     load_optimizer = load_optimizer and not zero1_moved
     state = _model_state(model)
     if load_optimizer:
+        _ensure_optimizer_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=OPT_METADATA)
     if same_layout:
         state["rng_state"] = _rng_state()
@@ -118,6 +149,7 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, load_optimizer: bo
     if load_optimizer:
         with torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
+        _restore_adam_step(optimizer, loaded["optimizer"])
         scheduler.load_state_dict(common["opt_param_scheduler"])
     else:
         # The model may live in other buffers now: refresh the optimizer's fp32 main copies from it.
