@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo test test-all bench clean
+.PHONY: venv demo data-demo test test-all bench clean
 
 $(STAMP): setup.py pyproject.toml csrc/packing.cpp scripts/setup_venv.sh
 	bash scripts/setup_venv.sh
@@ -12,7 +12,7 @@ $(STAMP): setup.py pyproject.toml csrc/packing.cpp scripts/setup_venv.sh
 venv: $(STAMP)
 
 demo: $(STAMP)
-	bash pretrain_scripts/data_demo.sh
+	bash pretrain_scripts/run_gpt.sh
 
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not slow and not gpu"
@@ -26,3 +26,6 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info megatron_patch/_C*.so data/demo
+
+data-demo: $(STAMP)
+	bash pretrain_scripts/data_demo.sh

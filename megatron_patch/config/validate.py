@@ -12,11 +12,6 @@ def validate(c: Config, world_size: int) -> None:
     tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
     if tp < 1 or pp < 1:
         _fail("--tensor-model-parallel-size and --pipeline-model-parallel-size must be at least 1")
-    if world_size % (tp * pp):
-        _fail(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
-              f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} processes "
-              f"(GPUS=...) or change TP/PP")
-    dp = world_size // (tp * pp)
     if c.num_attention_heads % tp:
         _fail(f"--num-attention-heads {c.num_attention_heads} is not divisible by --tensor-model-parallel-size {tp}; "
               f"choose a TP size that divides the number of heads")
@@ -31,6 +26,11 @@ def validate(c: Config, world_size: int) -> None:
     if c.num_layers % pp:
         _fail(f"--num-layers {c.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
               f"each pipeline stage needs the same number of layers")
+    if world_size % (tp * pp):
+        _fail(f"world size {world_size} is not divisible by --tensor-model-parallel-size {tp} x "
+              f"--pipeline-model-parallel-size {pp} = {tp * pp}; launch a multiple of {tp * pp} processes "
+              f"(GPUS=...) or change TP/PP")
+    dp = world_size // (tp * pp)
     if c.num_layers_per_virtual_pipeline_stage is not None:
         v = c.num_layers_per_virtual_pipeline_stage
         if pp < 2:
@@ -84,10 +84,18 @@ def validate(c: Config, world_size: int) -> None:
     if c.cpu_offload and not c.zero_1_memory_optimization:
         _fail("--cpu-offload keeps the sharded optimizer state on the CPU and needs ZeRO: add "
               "--zero-1-memory-optimization (the documentation requires ZeRO with CPU offload)")
+    if c.data_iterator == "dynamic-shape":
+        _fail("--data-iterator dynamic-shape applies to document-level samples (the Rapidformer Pretrainer/"
+              "Finetuner templates); GPT pretraining samples are packed to --seq-length and carry no padding")
     if c.lr_decay_style not in ("constant", "linear", "cosine"):
         _fail(f"--lr-decay-style {c.lr_decay_style!r}: choose constant, linear or cosine")
     if c.lr_warmup_fraction is not None and c.lr_warmup_iters:
         _fail("pass --lr-warmup-fraction or --lr-warmup-iters, not both")
+    decay = c.lr_decay_iters or c.train_iters
+    warmup = int(c.lr_warmup_fraction * decay) if c.lr_warmup_fraction is not None else c.lr_warmup_iters
+    if warmup >= decay:
+        _fail(f"learning-rate warmup ({warmup} iterations) must end before decay does ({decay} iterations: "
+              f"--lr-decay-iters or --train-iters); lower --lr-warmup-iters/--lr-warmup-fraction")
     if c.position_embedding_type not in ("learned_absolute", "rope"):
         _fail(f"--position-embedding-type {c.position_embedding_type!r}: choose learned_absolute or rope")
     if c.normalization not in ("LayerNorm", "RMSNorm"):

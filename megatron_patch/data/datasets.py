@@ -75,10 +75,9 @@ def _check_impl(data_impl: str) -> None:
 
 
 def _default_build_rank() -> Callable[[], bool]:
-    """Rank 0 builds the index caches; the builder makes the others wait and then load them."""
-    import torch.distributed as dist
-
-    return lambda: not dist.is_initialized() or dist.get_rank() == 0
+    """Every rank gets datasets; megatron-core's builder lets rank 0 write the index caches first and
+    the other ranks wait at a barrier and then read them."""
+    return lambda: True
 
 
 @contextlib.contextmanager

@@ -104,7 +104,7 @@ def enable() -> None:
     import megatron.core
 
     version = getattr(megatron.core, "__version__", "?")
-    if version not in TESTED_MEGATRON_CORE:
+    if version.split("+")[0] not in TESTED_MEGATRON_CORE:
         warnings.warn(f"megatron_patch's CPU backend was tested with megatron-core {TESTED_MEGATRON_CORE}, "
                       f"not {version}; if a CUDA call fails on CPU, add its redirect to megatron_patch/parallel/cpu_backend.py")
 

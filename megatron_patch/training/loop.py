@@ -29,6 +29,7 @@ from megatron_patch.parallel import initialize, print_rank_0
 
 from . import checkpointing
 from .data import build_datasets, build_iterator, tokenizer_from_config
+from .memory import model_state_bytes
 from .metrics import flops_per_token, peak_tflops
 from .optimizer import build_optimizer, build_scheduler
 
@@ -215,6 +216,7 @@ class Trainer:
             f"global batch {cfg.global_batch_size} | optimizer: {self.optimizer_name}")
         if cfg.skip_train:
             return self._final_evaluation()
+        self._start_iteration = self.iteration
         train_iter = self._iterators(self.train_ds, self.consumed_samples, cycle=False)
         bar = None
         if dist.get_rank() == 0 and sys.stderr.isatty():
@@ -228,6 +230,12 @@ class Trainer:
             self.consumed_samples += cfg.global_batch_size
             since += 1
             metrics["iteration"] = self.iteration
+            if self.iteration == 1 or self.iteration == self._start_iteration + 1:
+                metrics.update({f"bytes_{k}": v for k, v in model_state_bytes(self.model, self.optimizer).items()})
+                metrics["num_params"] = self.num_params
+                print_rank_0(f"model state on rank 0: weights {metrics['bytes_weights'] / 2**20:.1f} MiB, gradient "
+                             f"buffers {metrics['bytes_grads'] / 2**20:.1f} MiB, optimizer state "
+                             f"{metrics['bytes_optimizer'] / 2**20:.1f} MiB ({self.num_params / 1e6:.1f}M parameters)")
             self.history.append(metrics)
             if cfg.metrics_file and dist.get_rank() == 0:
                 with open(cfg.metrics_file, "a") as f:

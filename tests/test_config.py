@@ -1,0 +1,74 @@
+"""Every validate() rejection, and presets/flags parsing."""
+import pytest
+
+from megatron_patch.config import ConfigError, parse_args
+
+BASE = ["--mock-data", "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4"]
+
+
+def cfg(*extra):
+    return parse_args(BASE + list(extra))
+
+
+@pytest.mark.parametrize(
+    "extra,world,match",
+    [
+        (["--tensor-model-parallel-size", "3"], 3, "--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"),
+        (["--pipeline-model-parallel-size", "3"], 3, "--num-layers 4 is not divisible by --pipeline-model-parallel-size 3"),
+        (["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "3"], 2,
+         "not divisible by --pipeline-model-parallel-size 2 x --num-layers-per-virtual-pipeline-stage 3"),
+        (["--num-layers-per-virtual-pipeline-stage", "1"], 1, "needs --pipeline-model-parallel-size > 1"),
+        (["--micro-batch-size", "3", "--global-batch-size", "8"], 2, "--global-batch-size 8 is not divisible by --micro-batch-size 3 x data-parallel size 2"),
+        (["--zero-3-memory-optimization", "--tensor-model-parallel-size", "2"], 2, "cannot be combined with tensor or pipeline"),
+        (["--zero-3-memory-optimization", "--pipeline-model-parallel-size", "2"], 2, "cannot be combined with tensor or pipeline"),
+        (["--zero-1-memory-optimization", "--zero-2-memory-optimization"], 2, "choose one ZeRO stage"),
+        (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+        (["--fp16", "--bf16"], 1, "mutually exclusive"),
+        (["--mixed-precision", "--bf16"], 1, "--mixed-precision means fp16"),
+        (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6, "world size 6 is not divisible"),
+        (["--num-query-groups", "3"], 1, "not a multiple of --num-query-groups 3"),
+        (["--num-query-groups", "2", "--tensor-model-parallel-size", "4"], 4, "--num-query-groups 2 is not divisible"),
+        (["--cpu-offload"], 1, "--cpu-offload keeps the sharded optimizer state"),
+        (["--optimizers", "apex_lamb", "--zero-1-memory-optimization"], 2, "apex_lamb needs whole parameters"),
+        (["--lr-warmup-fraction", "0.1", "--lr-warmup-iters", "5"], 1, "not both"),
+        (["--train-iters", "10", "--lr-warmup-iters", "10"], 1, "warmup"),
+        (["--save-interval", "5"], 1, "--save-interval needs --save"),
+        (["--seq-length", "256", "--max-position-embeddings", "128"], 1, "exceeds --max-position-embeddings"),
+        (["--data-iterator", "dynamic-shape"], 1, "packed"),
+    ],
+)
+def test_rejections(extra, world, match):
+    with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace("+", r"\+")):
+        cfg(*extra).validate(world)
+
+
+def test_no_data_is_rejected():
+    with pytest.raises(ConfigError, match="no training data"):
+        parse_args(["--num-layers", "2"]).validate(1)
+    with pytest.raises(ConfigError, match="needs --tokenizer-type"):
+        parse_args(["--data-path", "x"]).validate(1)
+
+
+def test_derived_values_and_aliases():
+    c = cfg("--micro-batch-size", "2", "--global-batch-size", "32", "--tensor-model-parallel-size", "2",
+            "--mixed-precision", "--checkpoint-activations").validate(8)
+    assert (c.data_parallel_size, c.num_microbatches) == (4, 4)
+    assert c.fp16 and c.recompute_granularity == "full"
+
+
+def test_presets_and_overrides():
+    c = parse_args(["--model-family", "llama", "--model-size", "1.3b", "--mock-data", "--num-layers", "2"])
+    assert (c.num_layers, c.hidden_size, c.ffn_hidden_size, c.num_attention_heads) == (2, 2048, 5504, 16)
+    assert c.swiglu and c.normalization == "RMSNorm" and c.position_embedding_type == "rope"
+    assert c.untie_embeddings_and_output_weights and c.disable_bias_linear
+    with pytest.raises(ConfigError, match="--model-size '9t'"):
+        parse_args(["--model-family", "gpt", "--model-size", "9t"])
+
+
+def test_entry_point_reports_config_errors(tmp_path):
+    import subprocess, sys
+    from engine_utils import ROOT
+
+    proc = subprocess.run([sys.executable, f"{ROOT}/pretrain_megatron_gpt.py", *BASE, "--tensor-model-parallel-size", "3"],
+                          capture_output=True, text=True, cwd=tmp_path)
+    assert proc.returncode == 2 and "configuration error: --num-attention-heads 4" in proc.stderr
