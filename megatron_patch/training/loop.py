@@ -52,6 +52,9 @@ def build_model(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
         )
         if cfg.init_layout_invariant:
             layout_invariant_init(chunk, cfg.seed, cfg.init_method_std, cfg.swiglu)
+        if cfg.compile:
+            # Compile the forward only, so the module (its parameters, state-dict keys) stays the same object.
+            chunk.forward = torch.compile(chunk.forward)
         chunks.append(chunk)
     tconfig = chunks[0].config
     if cfg.bf16 or cfg.fp16:
@@ -225,7 +228,9 @@ class Trainer:
             bar = tqdm(total=cfg.train_iters, initial=self.iteration, desc="training", unit="it", leave=False)
         t0, since = time.time(), 0
         while self.iteration < cfg.train_iters:
-            metrics = self.train_step(train_iter)
+            step_start = time.time()
+            metrics = self.train_step(train_iter)  # its loss reduction synchronizes with the device
+            metrics["step_time"] = time.time() - step_start
             self.iteration += 1
             self.consumed_samples += cfg.global_batch_size
             since += 1
