@@ -28,7 +28,7 @@ MASTER_ADDR=${MASTER_ADDR:-127.0.0.1}
 MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
 TP=${TP:-1}
 PP=${PP:-1}
-ZERO=${ZERO:-0}                          # 0 | 1 (ZeRO-1: distributed optimizer)
+ZERO=${ZERO:-0}                          # 0 | 1 (distributed optimizer) | 2 (Megatron-FSDP, grads sharded too)
 PRECISION=${PRECISION:-$DEFAULT_PRECISION}  # fp32 | bf16 | fp16
 SEQ_LEN=${SEQ_LEN:-128}
 MBS=${MBS:-8}
@@ -62,7 +62,11 @@ case "$PRECISION" in
   *) echo "PRECISION=$PRECISION: choose fp32, bf16 or fp16" >&2; exit 2 ;;
 esac
 ZERO_ARGS=()
-[ "$ZERO" = 1 ] && ZERO_ARGS=(--zero-1-memory-optimization)
+case "$ZERO" in
+  0) ;;
+  1|2) ZERO_ARGS=(--zero-$ZERO-memory-optimization) ;;
+  *) echo "ZERO=$ZERO: choose 0, 1 or 2" >&2; exit 2 ;;
+esac
 
 mkdir -p "$OUTPUT"
 echo "run_gpt.sh: ${MODEL_FAMILY} ${MODEL_SIZE}, ${NNODES} node(s) x ${GPUS} process(es), TP=${TP} PP=${PP} ZeRO=${ZERO}, ${PRECISION}, log in $OUTPUT" >&2

@@ -51,4 +51,29 @@ def full_weights(checkpoint: str) -> Dict[str, torch.Tensor]:
     if not os.path.exists(out):
         dcp_to_torch_save(checkpoint, out)
     state = torch.load(out, weights_only=False)
-    return {k: v for k, v in state.items() if torch.is_tensor(v) and not k.startswith("optimizer.")}
+    if not os.path.exists(os.path.join(checkpoint, "megatron_patch_common.pt")):
+        return {k: v for k, v in state.items() if torch.is_tensor(v) and not k.startswith("optimizer.")}
+    # ZeRO-2 (torch DCP of DTensors): "model.decoder.layers.<global i>.<name>" -> stacked "decoder.layers.<name>"
+    import re
+
+    flat, layers = {}, {}
+    model = state["model"] if isinstance(state.get("model"), dict) else \
+        {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    for k, v in model.items():
+        if not torch.is_tensor(v):
+            continue
+        m = re.match(r"decoder\.layers\.(\d+)\.(.*)", k)
+        if m:
+            # dist_checkpointing names the local spec's norms as Transformer Engine's fused ones
+            name = re.sub(r"^input_layernorm\.(\w+)$", r"self_attention.linear_qkv.layer_norm_\1", m.group(2))
+            name = re.sub(r"^pre_mlp_layernorm\.(\w+)$", r"mlp.linear_fc1.layer_norm_\1", name)
+            layers.setdefault(name, {})[int(m.group(1))] = v
+        else:
+            flat[k] = v
+    for name, per_layer in layers.items():
+        flat[f"decoder.layers.{name}"] = torch.stack([per_layer[i] for i in sorted(per_layer)])
+    # With PP the last stage holds a copy of a tied embedding; it must have stayed equal to it.
+    out, emb = flat.get("output_layer.weight"), flat.get("embedding.word_embeddings.weight")
+    if out is not None and emb is not None and torch.allclose(out, emb, rtol=0, atol=1e-6):
+        del flat["output_layer.weight"]
+    return flat

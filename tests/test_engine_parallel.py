@@ -13,6 +13,10 @@ LAYOUTS = {
     "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
     "pp2_vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
     "dp2_zero1": (2, ["--zero-1-memory-optimization"]),
+    "dp2_zero2": (2, ["--zero-2-memory-optimization"]),
+    "tp2_dp2_zero2": (4, ["--tensor-model-parallel-size", "2", "--zero-2-memory-optimization"]),
+    # PP with ZeRO-2 exercises megatron_patch.parallel.megatron_fsdp_fixes (mesh, tied embedding grads).
+    "pp2_dp2_zero2": (4, ["--pipeline-model-parallel-size", "2", "--zero-2-memory-optimization"]),
     "tp2_pp2_dp2_zero1": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                               "--zero-1-memory-optimization"]),
 }

@@ -60,9 +60,11 @@ def validate(c: Config, world_size: int) -> None:
     if c.zero_3_memory_optimization:
         _fail("--zero-3-memory-optimization is for Hugging Face models through the rapidformer front end; "
               "the Megatron engine supports --zero-1-memory-optimization and --zero-2-memory-optimization")
-    if c.zero_2_memory_optimization:
-        _fail("--zero-2-memory-optimization (Megatron-FSDP) is not available in this build yet; "
-              "use --zero-1-memory-optimization (distributed optimizer)")
+    if c.zero_2_memory_optimization and c.num_layers_per_virtual_pipeline_stage is not None:
+        _fail("--zero-2-memory-optimization (Megatron-FSDP) is not supported with virtual pipeline stages; "
+              "drop --num-layers-per-virtual-pipeline-stage or use --zero-1-memory-optimization")
+    if c.zero_2_memory_optimization and c.fp16:
+        _fail("--zero-2-memory-optimization runs bf16 or fp32; fp16 loss scaling is not supported there: use --bf16")
     if c.sequence_parallel and tp < 2:
         _fail("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits activations across TP ranks)")
     if c.mixed_precision:
@@ -78,10 +80,10 @@ def validate(c: Config, world_size: int) -> None:
         _fail(f"--recompute-granularity {c.recompute_granularity!r}: choose full or selective")
     if c.optimizers not in ("apex_adam", "apex_lamb"):
         _fail(f"--optimizers {c.optimizers!r}: choose apex_adam or apex_lamb")
-    if c.optimizers == "apex_lamb" and c.zero_1_memory_optimization:
+    if c.optimizers == "apex_lamb" and (c.zero_1_memory_optimization or c.zero_2_memory_optimization):
         _fail("--optimizers apex_lamb needs whole parameters for its trust ratio, but "
               "--zero-1-memory-optimization shards them across ranks; use apex_adam with ZeRO, or LAMB without it")
-    if c.cpu_offload and not c.zero_1_memory_optimization:
+    if c.cpu_offload and not (c.zero_1_memory_optimization or c.zero_2_memory_optimization):
         _fail("--cpu-offload keeps the sharded optimizer state on the CPU and needs ZeRO: add "
               "--zero-1-memory-optimization (the documentation requires ZeRO with CPU offload)")
     if c.data_iterator == "dynamic-shape":

@@ -26,6 +26,8 @@ from megatron_patch.config import Config
 
 TRACKER = "latest_checkpointed_iteration.txt"
 OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+FSDP_METADATA = {"distrib_optim_sharding_type": "fsdp_dtensor"}
+FSDP_COMMON = "megatron_patch_common.pt"  # marks a ZeRO-2 (fsdp_dtensor) checkpoint
 
 
 def checkpoint_dir(root: str, iteration: int) -> str:
@@ -67,6 +69,75 @@ def _rng_state() -> ShardedObject:
     return ShardedObject("rng_state", state, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
 
 
+def _is_fsdp(model) -> bool:
+    return bool(getattr(getattr(model[0], "ddp_config", None), "use_megatron_fsdp", False))
+
+
+def _fsdp_state(model, optimizer, is_loading: bool) -> Dict:
+    """ZeRO-2 (Megatron-FSDP) state as DTensors, saved and loaded with torch.distributed.checkpoint.
+    Megatron-FSDP shards unevenly; its helper attaches the chunk metadata DCP needs for that."""
+    from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
+
+    _distributed_params(model)
+    _complete_fsdp_optimizer_state(optimizer)
+    rename = _global_layer_names(model[0])
+    opt = optimizer.sharded_state_dict({}, is_loading=is_loading, metadata=FSDP_METADATA)
+    state = {"model": {rename(k): v for k, v in _unwrap(model[0]).state_dict().items()},
+             "optimizer": {k: ({rename(n): x for n, x in v.items()} if k in ("state", "param_to_group_meta") else v)
+                           for k, v in opt.items()}}
+    return preprocess_state_dict_for_uneven_dtensor(state)
+
+
+def _distributed_params(model) -> None:
+    """A forward pass without backward (evaluation) leaves Megatron-FSDP's modules holding their raw
+    parameters; the checkpoint and the optimizer refer to the sharded DTensor ones: put those back."""
+    for chunk in model:
+        m = chunk
+        while m is not None:
+            if hasattr(m, "_replace_param_with_distributed_if_needed"):
+                m._replace_param_with_distributed_if_needed()
+            m = getattr(m, "module", None)
+
+
+def _global_layer_names(chunk):
+    """Names with *global* layer numbers: every pipeline stage numbers its layers from 0, and one
+    torch.distributed.checkpoint namespace must not see two stages' layer 0 under the same key."""
+    import re
+
+    layers = _unwrap(chunk).decoder.layers
+    offsets = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
+    pattern = re.compile(r"decoder\.layers\.(\d+)\.")
+    return lambda name: pattern.sub(lambda m: f"decoder.layers.{offsets[int(m.group(1))]}.", name, count=1)
+
+
+def _local_names(state: Dict, chunk) -> Dict:
+    """Inverse of the renaming in `_fsdp_state`, applied to the loaded optimizer dict."""
+    rename = _global_layer_names(chunk)
+    return {k: ({_inverse(rename, chunk, n): x for n, x in v.items()} if k in ("state", "param_to_group_meta") else v)
+            for k, v in state.items()}
+
+
+def _inverse(rename, chunk, name: str) -> str:
+    if not hasattr(chunk, "_mp_global_to_local"):
+        names = [n for n, _ in chunk.named_parameters()]
+        chunk._mp_global_to_local = {rename(n): n for n in names}
+    return chunk._mp_global_to_local.get(name, name)
+
+
+def _complete_fsdp_optimizer_state(optimizer) -> None:
+    """A parameter whose Megatron-FSDP shard is empty on this rank never gets Adam state, so the ranks
+    would describe different checkpoint keys and the collective metadata exchange would hang. Give such
+    parameters (empty, zero) state, as every rank's state then names the same global tensors."""
+    for w in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = w.optimizer
+        steps = [st["step"] for st in inner.state.values() if "step" in st]
+        for group in inner.param_groups:
+            for p in group["params"]:
+                if not inner.state[p]:
+                    step = steps[0].clone() if steps else torch.zeros((), dtype=torch.float32)
+                    inner.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
 def save_checkpoint(cfg: Config, iteration: int, model, optimizer, scheduler, consumed_samples: int) -> str:
     """Write checkpoint `iteration` under --save (collective: every rank calls it)."""
     final = checkpoint_dir(cfg.save, iteration)
@@ -75,11 +146,20 @@ def save_checkpoint(cfg: Config, iteration: int, model, optimizer, scheduler, co
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    state = _model_state(model)
-    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=OPT_METADATA)
-    state.update(iteration=iteration, consumed_samples=consumed_samples, opt_param_scheduler=scheduler.state_dict(),
-                 layout=_layout(cfg), rng_state=_rng_state())
-    dist_checkpointing.save(state, tmp)
+    common = dict(iteration=iteration, consumed_samples=consumed_samples, opt_param_scheduler=scheduler.state_dict(),
+                  layout=_layout(cfg))
+    if _is_fsdp(model):
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(_fsdp_state(model, optimizer, is_loading=False), checkpoint_id=tmp)
+        torch.save(_rng_state().data, os.path.join(tmp, f"rng_{dist.get_rank()}.pt"))
+        if dist.get_rank() == 0:
+            torch.save(common, os.path.join(tmp, FSDP_COMMON))
+    else:
+        state = _model_state(model)
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=OPT_METADATA)
+        state.update(common, rng_state=_rng_state())
+        dist_checkpointing.save(state, tmp)
     dist.barrier()
     if dist.get_rank() == 0:
         if os.path.exists(final):
@@ -104,6 +184,40 @@ def _ensure_optimizer_state(optimizer) -> None:
                 if not inner.state[p]:
                     inner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
                                       "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+
+
+def _set_rng(rng: Dict) -> None:
+    random.setstate(rng["random"])
+    np.random.set_state(rng["np"])
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    get_cuda_rng_tracker().set_states(rng["tracker"])
+
+
+def _load_fsdp(cfg: Config, path: str, model, optimizer, scheduler, load_optimizer: bool) -> Dict[str, int]:
+    import torch.distributed.checkpoint as dcp
+
+    common = torch.load(os.path.join(path, FSDP_COMMON), weights_only=False)
+    if common["layout"] != _layout(cfg):
+        raise ValueError(f"{path} is a ZeRO-2 checkpoint of layout {common['layout']}; it loads only into the same "
+                         f"layout (this run: {_layout(cfg)}). Resume with the same TP/PP/DP and ZeRO-2.")
+    if not _is_fsdp(model):
+        raise ValueError(f"{path} is a ZeRO-2 checkpoint: resume it with --zero-2-memory-optimization")
+    state = _fsdp_state(model, optimizer, is_loading=True)
+    if not load_optimizer:
+        del state["optimizer"]
+    dcp.load(state, checkpoint_id=path)
+    inverse = {_global_layer_names(model[0])(k): k for k in _unwrap(model[0]).state_dict()}
+    _unwrap(model[0]).load_state_dict({inverse[k]: v for k, v in state["model"].items()})
+    if load_optimizer:
+        for w in getattr(optimizer, "chained_optimizers", [optimizer]):
+            w.load_state_dict(_local_names(state["optimizer"], model[0]))
+        scheduler.load_state_dict(common["opt_param_scheduler"])
+    _set_rng(torch.load(os.path.join(path, f"rng_{dist.get_rank()}.pt"), weights_only=False))
+    if dist.get_rank() == 0:
+        print(f"loaded checkpoint {path} (iteration {common['iteration']}, ZeRO-2)", flush=True)
+    return {"iteration": common["iteration"], "consumed_samples": common["consumed_samples"]}
 
 
 def _restore_adam_step(optimizer, loaded_optimizer) -> None:
@@ -132,6 +246,8 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, load_optimizer: bo
     path = checkpoint_dir(cfg.load, iteration)
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{cfg.load}/{TRACKER} names iteration {iteration}, but {path} does not exist")
+    if os.path.isfile(os.path.join(path, FSDP_COMMON)):
+        return _load_fsdp(cfg, path, model, optimizer, scheduler, load_optimizer)
     common = dist_checkpointing.load_common_state_dict(path)
     same_layout = common.get("layout") == _layout(cfg)
     zero1_moved = common.get("layout", {}).get("zero1") and not same_layout and any(
@@ -156,13 +272,7 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, load_optimizer: bo
         if hasattr(optimizer, "reload_model_params"):
             optimizer.reload_model_params()
     if same_layout:
-        rng = loaded["rng_state"]
-        random.setstate(rng["random"])
-        np.random.set_state(rng["np"])
-        torch.set_rng_state(rng["torch"])
-        if rng["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-        get_cuda_rng_tracker().set_states(rng["tracker"])
+        _set_rng(loaded["rng_state"])
     if dist.get_rank() == 0:
         notes = []
         if not same_layout:

@@ -1,8 +1,8 @@
 """`pretrain(cfg)`: the training loop on megatron-core.
 
 Order of set-up: process groups -> tokenizer and data -> model chunks (one per virtual pipeline stage)
--> mixed-precision wrapper -> megatron-core DDP (ZeRO-1: distributed optimizer) -> optimizer and lr
-schedule -> checkpoint load. Each iteration runs megatron-core's forward/backward schedule (no
+-> mixed-precision wrapper -> megatron-core DDP (ZeRO-1: its distributed optimizer) or Megatron-FSDP
+(ZeRO-2: gradients and optimizer state sharded) -> optimizer and lr schedule -> checkpoint load. Each iteration runs megatron-core's forward/backward schedule (no
 pipelining, 1F1B, or interleaved 1F1B), one optimizer step, then logging, evaluation and saving.
 """
 from __future__ import annotations
@@ -59,12 +59,36 @@ def build_model(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
     tconfig = chunks[0].config
     if cfg.bf16 or cfg.fp16:
         chunks = [Float16Module(tconfig, c) for c in chunks]
+    if cfg.zero_2_memory_optimization:
+        return [_wrap_megatron_fsdp(cfg, tconfig, c) for c in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.zero_1_memory_optimization,
         check_for_nan_in_grad=False, bucket_size=None,
     )
     return [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
             for i, c in enumerate(chunks)]
+
+
+# Megatron-FSDP communicates in units of about this many elements; without an explicit size it keeps
+# full-size gradient buckets alive, which would undo ZeRO-2's saving.
+FSDP_UNIT_ELEMENTS = 40_000_000
+
+
+def _wrap_megatron_fsdp(cfg: Config, tconfig, chunk):
+    """ZeRO-2: megatron-core's Megatron-FSDP with gradients and optimizer state sharded over DP."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    from megatron_patch.parallel import megatron_fsdp_fixes
+
+    megatron_fsdp_fixes.apply()
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True, use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads", overlap_grad_reduce=True, overlap_param_gather=False,
+        check_for_nan_in_grad=False, bucket_size=FSDP_UNIT_ELEMENTS, suggested_communication_unit_size=FSDP_UNIT_ELEMENTS,
+        megatron_fsdp_main_grads_dtype=torch.float32,
+        gradient_reduce_div_fusion=torch.cuda.is_available(),  # gloo has no PREMUL_SUM
+    )
+    return FullyShardedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk, device=_device())
 
 
 def _device() -> torch.device:
@@ -125,6 +149,8 @@ class Trainer:
         tconfig = self.model[0].config
         tconfig.finalize_model_grads_func = finalize_model_grads
         tconfig.grad_scale_func = self.optimizer.scale_loss
+        if cfg.zero_2_memory_optimization:
+            tconfig.no_sync_func = self.model[0].no_sync  # reduce-scatter once per step, not per micro batch
         self.iteration, self.consumed_samples = 0, 0
         if cfg.load:
             state = checkpointing.load_checkpoint(cfg, self.model, self.optimizer, self.scheduler,
@@ -214,7 +240,7 @@ class Trainer:
             f"hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, seq {cfg.seq_length} | "
             f"TP {cfg.tensor_model_parallel_size} PP {cfg.pipeline_model_parallel_size} DP {cfg.data_parallel_size}"
             f"{' VPP ' + str(cfg.virtual_pipeline_model_parallel_size) if cfg.virtual_pipeline_model_parallel_size else ''}"
-            f" | {cfg.params_dtype_name} | ZeRO-{1 if cfg.zero_1_memory_optimization else 0} | "
+            f" | {cfg.params_dtype_name} | ZeRO-{2 if cfg.zero_2_memory_optimization else 1 if cfg.zero_1_memory_optimization else 0} | "
             f"micro batch {cfg.micro_batch_size} x {cfg.num_microbatches} accumulation x DP {cfg.data_parallel_size} = "
             f"global batch {cfg.global_batch_size} | optimizer: {self.optimizer_name}")
         if cfg.skip_train:

@@ -25,15 +25,25 @@ def model_state_bytes(model, optimizer) -> Dict[str, int]:
     """{"weights", "grads", "optimizer"} bytes on this rank (weights before grads before optimizer)."""
     seen: set = set()
     weights, grads = [], []
+    main_weights = []
     for chunk in model:
-        for buf in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+        fsdp = getattr(chunk, "param_and_grad_buffer", None)
+        if fsdp is not None:  # Megatron-FSDP (ZeRO-2): sharded buffers per parameter group
+            for group in fsdp.parameter_groups:
+                for name, bucket in (("model_weight_buffer", weights), ("transpose_weight_buffer", weights),
+                                     ("main_weight_buffer", main_weights), ("main_grad_buffer", grads)):
+                    buf = getattr(group, name, None)
+                    if buf is not None:
+                        bucket.append(getattr(buf, "data", None))
+            continue  # its module parameters are the fp32 main-weight shards, counted as optimizer state
+        for buf in list(chunk.buffers) + list(getattr(chunk, "expert_parallel_buffers", [])):
             weights.append(buf.param_data)
             grads.append(buf.grad_data)
         for p in chunk.parameters():
             weights.append(p)
             grads += [getattr(p, "main_grad", None), p.grad]
     out = {"weights": _storage_bytes(weights, seen), "grads": _storage_bytes(grads, seen)}
-    opt_tensors = []
+    opt_tensors = list(main_weights)
     for w in getattr(optimizer, "chained_optimizers", [optimizer]):
         inner = w.optimizer
         for group in inner.param_groups:

@@ -35,7 +35,7 @@ def build_optimizer(cfg: Config, model_chunks) -> Tuple[object, str]:
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
         bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32,
         loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale,
-        use_distributed_optimizer=cfg.zero_1_memory_optimization,
+        use_distributed_optimizer=cfg.zero_1_memory_optimization or cfg.zero_2_memory_optimization,
     )
     opt = get_megatron_optimizer(opt_cfg, model_chunks)
     using_torch = getattr(mco, "USING_PYTORCH_OPTIMIZER", True)
