@@ -22,7 +22,7 @@ def cfg(*extra):
         (["--zero-3-memory-optimization", "--tensor-model-parallel-size", "2"], 2, "cannot be combined with tensor or pipeline"),
         (["--zero-3-memory-optimization", "--pipeline-model-parallel-size", "2"], 2, "cannot be combined with tensor or pipeline"),
         (["--zero-1-memory-optimization", "--zero-2-memory-optimization"], 2, "choose one ZeRO stage"),
-        (["--zero-2-memory-optimization", "--pipeline-model-parallel-size", "2",
+        (["--zero-2-memory-optimization", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
           "--num-layers-per-virtual-pipeline-stage", "1"], 2, "not supported with virtual pipeline stages"),
         (["--zero-2-memory-optimization", "--fp16"], 2, "fp16 loss scaling is not supported"),
         (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
