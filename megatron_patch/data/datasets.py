@@ -74,10 +74,16 @@ def _check_impl(data_impl: str) -> None:
         raise ValueError(f"--data-impl {data_impl!r}: choose one of {', '.join(DATA_IMPLS)}")
 
 
-def _default_build_rank() -> Callable[[], bool]:
-    """Every rank gets datasets; megatron-core's builder lets rank 0 write the index caches first and
-    the other ranks wait at a barrier and then read them."""
-    return lambda: True
+def _build(dataset_cls, config_cls, data_path, tokenizer, seq_length, num_samples, split, seed, data_impl,
+           cache_dir, is_built_on_rank, **specific):
+    """Every rank gets datasets (unless `is_built_on_rank` says otherwise); megatron-core's builder lets
+    rank 0 write the index caches first while the other ranks wait, then read them."""
+    _check_impl(data_impl)
+    config = config_cls(random_seed=seed, sequence_length=seq_length, blend=parse_data_path(data_path), split=split,
+                        path_to_cache=cache_dir, tokenizer=tokenizer, **specific)
+    config.data_impl = data_impl
+    return BlendedMegatronDatasetBuilder(dataset_cls, list(num_samples), is_built_on_rank or (lambda: True),
+                                         config).build()
 
 
 @contextlib.contextmanager
@@ -110,23 +116,9 @@ def build_gpt_datasets(
     is_built_on_rank: Optional[Callable[[], bool]] = None,
 ):
     """(train, valid, test) GPT datasets of `num_samples` samples each (None where a split is empty)."""
-    _check_impl(data_impl)
-    config = GPTDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=parse_data_path(data_path),
-        split=split,
-        path_to_cache=cache_dir,
-        tokenizer=tokenizer,
-        reset_position_ids=False,
-        reset_attention_mask=False,
-        eod_mask_loss=eod_mask_loss,
-        create_attention_mask=False,
-    )
-    config.data_impl = data_impl
-    return BlendedMegatronDatasetBuilder(
-        PatchGPTDataset, list(num_samples), is_built_on_rank or _default_build_rank(), config
-    ).build()
+    return _build(PatchGPTDataset, GPTDatasetConfig, data_path, tokenizer, seq_length, num_samples, split, seed,
+                  data_impl, cache_dir, is_built_on_rank, reset_position_ids=False, reset_attention_mask=False,
+                  eod_mask_loss=eod_mask_loss, create_attention_mask=False)
 
 
 def build_bert_datasets(
@@ -144,25 +136,10 @@ def build_bert_datasets(
     is_built_on_rank: Optional[Callable[[], bool]] = None,
 ):
     """(train, valid, test) BERT datasets from sentence-split data (`--split-sentences`)."""
-    _check_impl(data_impl)
-    config = BERTMaskedWordPieceDatasetConfig(
-        random_seed=seed,
-        sequence_length=seq_length,
-        blend=parse_data_path(data_path),
-        split=split,
-        path_to_cache=cache_dir,
-        tokenizer=tokenizer,
-        masking_probability=masking_probability,
-        short_sequence_probability=short_seq_prob,
-        masking_max_ngram=3,
-        masking_do_full_word=True,
-        masking_do_permutation=False,
-        masking_use_longer_ngrams=False,
-        masking_use_geometric_distribution=False,
-        classification_head=binary_head,
-    )
-    config.data_impl = data_impl
     with _process_group():
-        return BlendedMegatronDatasetBuilder(
-            PatchBERTDataset, list(num_samples), is_built_on_rank or _default_build_rank(), config
-        ).build()
+        return _build(PatchBERTDataset, BERTMaskedWordPieceDatasetConfig, data_path, tokenizer, seq_length,
+                      num_samples, split, seed, data_impl, cache_dir, is_built_on_rank,
+                      masking_probability=masking_probability, short_sequence_probability=short_seq_prob,
+                      masking_max_ngram=3, masking_do_full_word=True, masking_do_permutation=False,
+                      masking_use_longer_ngrams=False, masking_use_geometric_distribution=False,
+                      classification_head=binary_head)
