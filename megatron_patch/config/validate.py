@@ -4,6 +4,12 @@ from __future__ import annotations
 from .config import Config, ConfigError
 
 
+def _has_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _fail(msg: str) -> None:
     raise ConfigError(msg)
 
@@ -89,6 +95,9 @@ def validate(c: Config, world_size: int) -> None:
     if c.data_iterator == "dynamic-shape":
         _fail("--data-iterator dynamic-shape applies to document-level samples (the Rapidformer Pretrainer/"
               "Finetuner templates); GPT pretraining samples are packed to --seq-length and carry no padding")
+    if c.cpu_offload and not _has_gpu():
+        _fail("--cpu-offload moves the optimizer state from GPU memory to host memory; this machine has no GPU, "
+              "so everything already lives on the CPU: drop the flag")
     if c.lr_decay_style not in ("constant", "linear", "cosine"):
         _fail(f"--lr-decay-style {c.lr_decay_style!r}: choose constant, linear or cosine")
     if c.lr_warmup_fraction is not None and c.lr_warmup_iters:

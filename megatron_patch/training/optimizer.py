@@ -36,6 +36,10 @@ def build_optimizer(cfg: Config, model_chunks) -> Tuple[object, str]:
         bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32,
         loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale,
         use_distributed_optimizer=cfg.zero_1_memory_optimization or cfg.zero_2_memory_optimization,
+        # --cpu-offload: the sharded fp32 main weights and Adam moments live in host memory and the Adam
+        # step runs there (megatron-core's HybridDeviceOptimizer); the GPU keeps bf16 weights and grads.
+        optimizer_cpu_offload=cfg.cpu_offload, optimizer_offload_fraction=1.0 if cfg.cpu_offload else 0.0,
+        use_precision_aware_optimizer=cfg.cpu_offload,
     )
     opt = get_megatron_optimizer(opt_cfg, model_chunks)
     using_torch = getattr(mco, "USING_PYTORCH_OPTIMIZER", True)
@@ -51,6 +55,8 @@ def build_optimizer(cfg: Config, model_chunks) -> Tuple[object, str]:
             kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
             w.optimizer = fused(groups, **kwargs) if fused else Lamb(groups, **kwargs)
         return opt, "apex FusedLAMB" if fused else "LAMB (torch foreach; apex not installed)"
+    if cfg.cpu_offload:
+        return opt, "Adam offloaded to the CPU (megatron-core HybridDeviceOptimizer)"
     if not using_torch:
         return opt, "fused Adam from Transformer Engine/apex"
     if on_gpu:
