@@ -124,6 +124,20 @@ def _inverse(rename, chunk, name: str) -> str:
     return chunk._mp_global_to_local.get(name, name)
 
 
+def _steps_on_param_device(optimizer) -> None:
+    """torch's fused AdamW keeps `step` on the parameter's device, but its load_state_dict leaves it on the
+    CPU when the loaded param groups do not say `fused`: move it back."""
+    for w in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = w.optimizer
+        for group in inner.param_groups:
+            if not (group.get("fused") or group.get("capturable")):
+                continue
+            for p in group["params"]:
+                st = inner.state.get(p, {})
+                if torch.is_tensor(st.get("step")):
+                    st["step"] = st["step"].to(p.device)
+
+
 def _complete_fsdp_optimizer_state(optimizer) -> None:
     """A parameter whose Megatron-FSDP shard is empty on this rank never gets Adam state, so the ranks
     would describe different checkpoint keys and the collective metadata exchange would hang. Give such
@@ -213,6 +227,7 @@ def _load_fsdp(cfg: Config, path: str, model, optimizer, scheduler, load_optimiz
     if load_optimizer:
         for w in getattr(optimizer, "chained_optimizers", [optimizer]):
             w.load_state_dict(_local_names(state["optimizer"], model[0]))
+        _steps_on_param_device(optimizer)
         scheduler.load_state_dict(common["opt_param_scheduler"])
     _set_rng(torch.load(os.path.join(path, f"rng_{dist.get_rank()}.pt"), weights_only=False))
     if dist.get_rank() == 0:
