@@ -146,9 +146,11 @@ def _complete_fsdp_optimizer_state(optimizer) -> None:
         inner = w.optimizer
         steps = [st["step"] for st in inner.state.values() if "step" in st]
         for group in inner.param_groups:
+            on_device = group.get("fused") or group.get("capturable")  # such steps live with the params
             for p in group["params"]:
                 if not inner.state[p]:
                     step = steps[0].clone() if steps else torch.zeros((), dtype=torch.float32)
+                    step = step.to(p.device if on_device else "cpu")
                     inner.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
