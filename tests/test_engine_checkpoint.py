@@ -8,7 +8,9 @@ from engine_utils import full_weights, run_engine, train_losses
 
 
 @pytest.mark.parametrize("nproc,extra", [(1, []), (2, ["--zero-1-memory-optimization"]),
-                                         (2, ["--zero-2-memory-optimization"])], ids=["single", "dp2_zero1", "dp2_zero2"])
+                                         (2, ["--zero-2-memory-optimization"]),
+                                         (2, ["--zero-2-memory-optimization", "--bf16"])],
+                         ids=["single", "dp2_zero1", "dp2_zero2", "dp2_zero2_bf16"])
 def test_resume_is_exact(tmp_path, nproc, extra):
     ten = ["--train-iters", "10", "--eval-interval", "100"]
     straight, _ = run_engine(tmp_path / "straight", nproc, *ten, *extra, "--save", str(tmp_path / "straight" / "ckpt"))

@@ -226,6 +226,13 @@ def _load_fsdp(cfg: Config, path: str, model, optimizer, scheduler, load_optimiz
     dcp.load(state, checkpoint_id=path)
     inverse = {_global_layer_names(model[0])(k): k for k in _unwrap(model[0]).state_dict()}
     _unwrap(model[0]).load_state_dict({inverse[k]: v for k, v in state["model"].items()})
+    # The module's parameters are the fp32 main-weight shards; with bf16 the compute weights are a
+    # separate copy that only an optimizer step refreshes: refresh it now, and gather it across DP.
+    for w in getattr(optimizer, "chained_optimizers", [optimizer]):
+        w._copy_main_params_to_model_params()
+    for chunk in model:
+        if hasattr(chunk, "start_param_sync"):
+            chunk.start_param_sync(force_sync=True)
     if load_optimizer:
         for w in getattr(optimizer, "chained_optimizers", [optimizer]):
             w.load_state_dict(_local_names(state["optimizer"], model[0]))
