@@ -25,7 +25,7 @@ def cfg(*extra):
         (["--zero-2-memory-optimization", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
           "--num-layers-per-virtual-pipeline-stage", "1"], 2, "not supported with virtual pipeline stages"),
         (["--zero-2-memory-optimization", "--fp16"], 2, "fp16 loss scaling is not supported"),
-        (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+        (["--sequence-parallel"], 1, "--sequence-parallel needs GPUs"),
         (["--fp16", "--bf16"], 1, "mutually exclusive"),
         (["--mixed-precision", "--bf16"], 1, "--mixed-precision means fp16"),
         (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6, "world size 6 is not divisible"),

@@ -71,6 +71,9 @@ def validate(c: Config, world_size: int) -> None:
               "drop --num-layers-per-virtual-pipeline-stage or use --zero-1-memory-optimization")
     if c.zero_2_memory_optimization and c.fp16:
         _fail("--zero-2-memory-optimization runs bf16 or fp32; fp16 loss scaling is not supported there: use --bf16")
+    if c.sequence_parallel and not _has_gpu():
+        _fail("--sequence-parallel needs GPUs: megatron-core allocates its reduce-scatter buffers on the CUDA "
+              "device inside autograd, which the CPU backend cannot redirect; drop the flag on CPU")
     if c.sequence_parallel and tp < 2:
         _fail("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits activations across TP ranks)")
     if c.mixed_precision:

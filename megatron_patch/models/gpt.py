@@ -9,10 +9,12 @@ import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_patch.config import Config
 
+from .norm import SequenceParallelNorm
 from .sdpa_attention import SDPAttention
 
 
@@ -98,15 +100,22 @@ def layer_spec(cfg: Config) -> ModuleSpec:
     spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
+    spec.submodules.input_layernorm = SequenceParallelNorm
+    spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
     return spec
 
 
 def build_gpt_model(cfg: Config, vocab_size: int, pre_process: bool = True, post_process: bool = True,
                     vp_stage: Optional[int] = None) -> GPTModel:
     """One pipeline stage (or virtual stage `vp_stage`) of the model, on this rank's device."""
+    config = build_transformer_config(cfg)
+    spec = layer_spec(cfg)
+    if resolve_attention_backend(cfg) != "te":  # our norms for the final layer norm too
+        spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
+                                          layer_norm=SequenceParallelNorm)
     model = GPTModel(
-        config=build_transformer_config(cfg),
-        transformer_layer_spec=layer_spec(cfg),
+        config=config,
+        transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(vocab_size, cfg),
         max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,
         pre_process=pre_process,

@@ -1,0 +1,25 @@
+"""torch LayerNorm / RMSNorm usable with `--sequence-parallel`.
+
+megatron-core's own torch-norm wrapper refuses sequence parallelism, because with it each TP rank
+normalises a different slice of the sequence and the norm weights' gradients must then be summed across
+the TP group. megatron-core's `finalize_model_grads` does that for every parameter marked
+`sequence_parallel`, which is all this wrapper adds (as apex's and Transformer Engine's norms do).
+"""
+from __future__ import annotations
+
+import torch
+
+
+class SequenceParallelNorm:
+    """Factory with WrappedTorchNorm's signature returning a marked torch norm module."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        if config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
+        elif config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
+        else:
+            raise ValueError(f"normalization {config.normalization!r}: choose LayerNorm or RMSNorm")
+        for p in norm.parameters():
+            p.sequence_parallel = bool(config.sequence_parallel)
+        return norm
