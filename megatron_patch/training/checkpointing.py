@@ -79,12 +79,11 @@ def _fsdp_state(model, optimizer, is_loading: bool) -> Dict:
     from megatron.core.distributed.fsdp.src.megatron_fsdp.uneven_dtensor import preprocess_state_dict_for_uneven_dtensor
 
     _distributed_params(model)
-    _complete_fsdp_optimizer_state(optimizer)
+    _fill_empty_adam_state(optimizer)
     rename = _global_layer_names(model[0])
     opt = optimizer.sharded_state_dict({}, is_loading=is_loading, metadata=FSDP_METADATA)
     state = {"model": {rename(k): v for k, v in _unwrap(model[0]).state_dict().items()},
-             "optimizer": {k: ({rename(n): x for n, x in v.items()} if k in ("state", "param_to_group_meta") else v)
-                           for k, v in opt.items()}}
+             "optimizer": _rename_param_keys(opt, rename)}
     return preprocess_state_dict_for_uneven_dtensor(state)
 
 
@@ -110,18 +109,10 @@ def _global_layer_names(chunk):
     return lambda name: pattern.sub(lambda m: f"decoder.layers.{offsets[int(m.group(1))]}.", name, count=1)
 
 
-def _local_names(state: Dict, chunk) -> Dict:
-    """Inverse of the renaming in `_fsdp_state`, applied to the loaded optimizer dict."""
-    rename = _global_layer_names(chunk)
-    return {k: ({_inverse(rename, chunk, n): x for n, x in v.items()} if k in ("state", "param_to_group_meta") else v)
-            for k, v in state.items()}
-
-
-def _inverse(rename, chunk, name: str) -> str:
-    if not hasattr(chunk, "_mp_global_to_local"):
-        names = [n for n, _ in chunk.named_parameters()]
-        chunk._mp_global_to_local = {rename(n): n for n in names}
-    return chunk._mp_global_to_local.get(name, name)
+def _rename_param_keys(optimizer_state: Dict, rename) -> Dict:
+    """The fsdp_dtensor optimizer dict keys its per-parameter entries by parameter name."""
+    return {k: ({rename(n): x for n, x in v.items()} if k in ("state", "param_to_group_meta") else v)
+            for k, v in optimizer_state.items()}
 
 
 def _steps_on_param_device(optimizer) -> None:
@@ -138,20 +129,25 @@ def _steps_on_param_device(optimizer) -> None:
                     st["step"] = st["step"].to(p.device)
 
 
-def _complete_fsdp_optimizer_state(optimizer) -> None:
-    """A parameter whose Megatron-FSDP shard is empty on this rank never gets Adam state, so the ranks
-    would describe different checkpoint keys and the collective metadata exchange would hang. Give such
-    parameters (empty, zero) state, as every rank's state then names the same global tensors."""
+def _fill_empty_adam_state(optimizer) -> None:
+    """Give every parameter of torch Adam/AdamW zero state where it has none yet.
+
+    Two callers need it: megatron-core's distributed optimizer reads that state (including `step`) to
+    build the dict it loads into, but torch creates it only at the first step; and under Megatron-FSDP a
+    parameter whose shard is empty on this rank never gets state, so the ranks would describe different
+    checkpoint keys and the collective metadata exchange would hang."""
     for w in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = w.optimizer
+        inner = getattr(w, "optimizer", None)
+        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            continue
         steps = [st["step"] for st in inner.state.values() if "step" in st]
         for group in inner.param_groups:
             on_device = group.get("fused") or group.get("capturable")  # such steps live with the params
             for p in group["params"]:
                 if not inner.state[p]:
                     step = steps[0].clone() if steps else torch.zeros((), dtype=torch.float32)
-                    step = step.to(p.device if on_device else "cpu")
-                    inner.state[p] = {"step": step, "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+                    inner.state[p] = {"step": step.to(p.device if on_device else "cpu"),
+                                      "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
 
 
 def save_checkpoint(cfg: Config, iteration: int, model, optimizer, scheduler, consumed_samples: int) -> str:
@@ -188,20 +184,6 @@ def save_checkpoint(cfg: Config, iteration: int, model, optimizer, scheduler, co
     return final
 
 
-def _ensure_optimizer_state(optimizer) -> None:
-    """torch's Adam creates its state at the first step, but megatron-core's distributed optimizer reads
-    that state (including `step`) to build the dict it loads into: create it empty beforehand."""
-    for w in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(w, "optimizer", None)
-        if not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
-            continue
-        for group in inner.param_groups:
-            for p in group["params"]:
-                if not inner.state[p]:
-                    inner.state[p] = {"step": torch.zeros((), dtype=torch.float32),
-                                      "exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-
-
 def _set_rng(rng: Dict) -> None:
     random.setstate(rng["random"])
     np.random.set_state(rng["np"])
@@ -224,8 +206,9 @@ def _load_fsdp(cfg: Config, path: str, model, optimizer, scheduler, load_optimiz
     if not load_optimizer:
         del state["optimizer"]
     dcp.load(state, checkpoint_id=path)
-    inverse = {_global_layer_names(model[0])(k): k for k in _unwrap(model[0]).state_dict()}
-    _unwrap(model[0]).load_state_dict({inverse[k]: v for k, v in state["model"].items()})
+    rename = _global_layer_names(model[0])
+    local = {rename(n): n for n in [*_unwrap(model[0]).state_dict(), *(n for n, _ in model[0].named_parameters())]}
+    _unwrap(model[0]).load_state_dict({local[k]: v for k, v in state["model"].items()})
     # The module's parameters are the fp32 main-weight shards; with bf16 the compute weights are a
     # separate copy that only an optimizer step refreshes: refresh it now, and gather it across DP.
     for w in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -235,7 +218,7 @@ def _load_fsdp(cfg: Config, path: str, model, optimizer, scheduler, load_optimiz
             chunk.start_param_sync(force_sync=True)
     if load_optimizer:
         for w in getattr(optimizer, "chained_optimizers", [optimizer]):
-            w.load_state_dict(_local_names(state["optimizer"], model[0]))
+            w.load_state_dict(_rename_param_keys(state["optimizer"], lambda n: local.get(n, n)))
         _steps_on_param_device(optimizer)
         scheduler.load_state_dict(common["opt_param_scheduler"])
     _set_rng(torch.load(os.path.join(path, f"rng_{dist.get_rank()}.pt"), weights_only=False))
@@ -246,7 +229,7 @@ def _load_fsdp(cfg: Config, path: str, model, optimizer, scheduler, load_optimiz
 
 def _restore_adam_step(optimizer, loaded_optimizer) -> None:
     """megatron-core 0.19.2's distributed optimizer restores torch Adam's per-parameter `step` from the
-    parameter-state shards, which do not carry it (they hold the placeholder made above), after setting it
+    parameter-state shards, which do not carry it (they hold _fill_empty_adam_state's placeholder), after setting it
     correctly from the param groups; put the param groups' step back so bias correction resumes exactly."""
     groups = (loaded_optimizer.get("optimizer") or {}).get("param_groups") if isinstance(loaded_optimizer, dict) else None
     steps = {g["step"] for g in groups or [] if "step" in g}
@@ -279,7 +262,7 @@ def load_checkpoint(cfg: Config, model, optimizer, scheduler, load_optimizer: bo
     load_optimizer = load_optimizer and not zero1_moved
     state = _model_state(model)
     if load_optimizer:
-        _ensure_optimizer_state(optimizer)
+        _fill_empty_adam_state(optimizer)
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=OPT_METADATA)
     if same_layout:
         state["rng_state"] = _rng_state()

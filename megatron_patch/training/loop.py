@@ -268,9 +268,7 @@ class Trainer:
                              f"buffers {metrics['bytes_grads'] / 2**20:.1f} MiB, optimizer state "
                              f"{metrics['bytes_optimizer'] / 2**20:.1f} MiB ({self.num_params / 1e6:.1f}M parameters)")
             self.history.append(metrics)
-            if cfg.metrics_file and dist.get_rank() == 0:
-                with open(cfg.metrics_file, "a") as f:
-                    f.write(json.dumps(metrics) + "\n")
+            self._record(metrics)
             if bar:
                 bar.update(1)
                 bar.set_postfix(loss=f"{metrics['loss']:.3f}")
@@ -286,9 +284,7 @@ class Trainer:
                 t0, since = time.time(), 0
             if cfg.eval_iters > 0 and cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
                 val = self.evaluate(self.valid_ds, cfg.eval_iters)
-                if cfg.metrics_file and dist.get_rank() == 0:
-                    with open(cfg.metrics_file, "a") as f:
-                        f.write(json.dumps({"iteration": self.iteration, "valid_loss": val}) + "\n")
+                self._record({"iteration": self.iteration, "valid_loss": val})
                 print_rank_0(f"validation at iteration {self.iteration} | lm loss {val:.4f} | ppl {math.exp(min(val, 50)):.2f}")
                 if self._writer:
                     self._writer.add_scalar("validation lm loss", val, self.iteration)
@@ -307,15 +303,19 @@ class Trainer:
             self._writer.flush()
         return self.history
 
+    def _record(self, metrics: Dict[str, float]) -> None:
+        """One JSON line per record in --metrics-file (rank 0)."""
+        if self.cfg.metrics_file and dist.get_rank() == 0:
+            with open(self.cfg.metrics_file, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+
     def _final_evaluation(self) -> List[Dict[str, float]]:
         cfg = self.cfg
         result = {"iteration": self.iteration, "valid_loss": self.evaluate(self.valid_ds, cfg.eval_iters),
                   "test_loss": self.evaluate(self.test_ds, cfg.eval_iters)}
         print_rank_0(f"evaluation at iteration {self.iteration} | validation lm loss {result['valid_loss']:.6f} | "
                      f"test lm loss {result['test_loss']:.6f}")
-        if cfg.metrics_file and dist.get_rank() == 0:
-            with open(cfg.metrics_file, "a") as f:
-                f.write(json.dumps(result) + "\n")
+        self._record(result)
         self.history.append(result)
         return self.history
 
