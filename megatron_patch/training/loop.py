@@ -190,7 +190,11 @@ class Trainer:
         if ok:
             self.scheduler.step(increment=self.cfg.global_batch_size)
         return {"loss": _mean_loss(losses), "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "skipped": float(not ok), "lr": lr}
+                "skipped": float(not ok), "lr": lr, "loss_scale": self._loss_scale()}
+
+    def _loss_scale(self) -> float:
+        """The loss scale after this step's update (fp16 dynamic scaling lowers it on a skipped step)."""
+        return self.optimizer.get_loss_scale().item() if hasattr(self.optimizer, "get_loss_scale") else 1.0
 
     @torch.no_grad()
     def evaluate(self, dataset, iters: int, consumed: int = 0) -> float:
@@ -219,7 +223,7 @@ class Trainer:
         peak = peak_tflops()
         per_gpu = tflops / dist.get_world_size()
         lr = metrics["lr"]
-        scale = self.optimizer.get_loss_scale().item() if hasattr(self.optimizer, "get_loss_scale") else 1.0
+        scale = metrics["loss_scale"]
         mem = (f" | mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if torch.cuda.is_available() else "")
         mfu = f" | MFU {100 * per_gpu / peak:.1f}%" if peak else ""
         line = (f"iteration {self.iteration:>6}/{cfg.train_iters} | loss {metrics['loss']:.4f} | lr {lr:.3e} | "
