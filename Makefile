@@ -3,7 +3,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: venv demo data-demo test test-all bench clean
+.PHONY: venv demo data-demo test test-all test-gpu bench clean
 
 $(STAMP): setup.py pyproject.toml csrc/packing.cpp scripts/setup_venv.sh
 	bash scripts/setup_venv.sh
@@ -19,6 +19,11 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu"
+
+# On a machine with a CUDA GPU: the tests marked gpu (bf16, --compile, ZeRO-1/2, --cpu-offload, resume).
+# `make test-gpu PY=python3` uses a Python that already has the package (no .venv is made then).
+test-gpu: $(if $(filter $(VENV)/bin/python,$(PY)),$(STAMP))
+	$(PY) -m pytest -q -m gpu
 
 bench: $(STAMP)
 	$(PY) benchmarks/bench_preprocess.py

@@ -3,7 +3,7 @@
 # megatron-core (its own IndexedDataset, and GPT training samples via BlendedMegatronDatasetBuilder).
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PY=${PY:-$ROOT/.venv/bin/python}
+source "$ROOT/pretrain_scripts/resolve_python.sh"  # PY: $PY, else .venv, else python3
 DATA=$(bash "$ROOT/pretrain_scripts/prepare_demo_data.sh" | tail -n 1)
 DIR=$(dirname "$DATA")
 PYTHONWARNINGS=ignore "$PY" - "$DATA" "$DIR" <<'PYEOF'

@@ -2,10 +2,11 @@
 # Build the built-in demo data, offline: a JSONL corpus of real English (the docstrings of Python's
 # standard library), a GPT-2 style BPE tokenizer trained on it, and its Megatron .bin/.idx files.
 # Each step is skipped when its output exists. Prints the --data-path prefix on the last line.
-#   DEMO_DIR (default data/demo)   VOCAB_SIZE (default 8000)   PY (default .venv/bin/python)
+#   DEMO_DIR (default data/demo)   VOCAB_SIZE (default 8000)
+#   PY (default: the repository's .venv if present, else python3; see resolve_python.sh)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PY=${PY:-$ROOT/.venv/bin/python}
+source "$ROOT/pretrain_scripts/resolve_python.sh"
 DEMO_DIR=${DEMO_DIR:-$ROOT/data/demo}
 VOCAB_SIZE=${VOCAB_SIZE:-8000}
 mkdir -p "$DEMO_DIR"

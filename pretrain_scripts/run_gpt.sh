@@ -2,15 +2,37 @@
 # Pretrain a GPT-family model with megatron-core. With no arguments: builds the offline demo corpus and
 # tokenizer (pretrain_scripts/prepare_demo_data.sh) and trains a tiny GPT for 300 iterations on the GPU
 # if there is one, else on the CPU (gloo). Every setting is an environment variable with a default;
-# any extra argument is passed to pretrain_megatron_gpt.py (see its --help), e.g.
-#   TP=2 PP=2 GPUS=8 MODEL_SIZE=1.3b bash pretrain_scripts/run_gpt.sh --bf16
+# any extra argument is passed to pretrain_megatron_gpt.py (see its --help) after the launcher's own
+# flags, so it wins over them, e.g.
+#   TP=2 PP=2 GPUS=8 MODEL_SIZE=1.3b bash pretrain_scripts/run_gpt.sh --bf16 --train-iters 1000
 # Multi-node: the same command on every node with NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT set.
+#
+# Defaults that depend on other settings (global batch, warmup, save interval, max positions) are not
+# computed here, where a later flag could contradict them, but in Python from the final flags.
+# Before torchrun starts, the whole configuration and the data are checked once for GPUS x NNODES
+# processes (pretrain_megatron_gpt.py --validate-only): a mistake is one `configuration error: ...`
+# line and exit status 2. With --validate-only among the arguments, the launcher stops after that check.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
-PY=${PY:-$ROOT/.venv/bin/python}
-[ -x "$PY" ] || PY=$(command -v python3)
+source "$ROOT/pretrain_scripts/resolve_python.sh"  # PY: $PY, else .venv, else python3; PYTHONUNBUFFERED=1
 
-HAS_GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
+# given FLAG...: true when an extra argument is one of the flags (as --flag or --flag=value).
+given() {
+  local arg flag
+  for arg in "${EXTRA[@]}"; do
+    for flag in "$@"; do
+      [[ $arg == "$flag" || $arg == "$flag="* ]] && return 0
+    done
+  done
+  return 1
+}
+EXTRA=("$@")
+
+HAS_GPU=0
+# Importing torch takes seconds: ask it only where a GPU driver is present (NVIDIA, or ROCm's /dev/kfd).
+if command -v nvidia-smi >/dev/null 2>&1 || [ -e /dev/nvidiactl ] || [ -e /dev/kfd ]; then
+  HAS_GPU=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))' 2>/dev/null || echo 0)
+fi
 if [ "$HAS_GPU" = 1 ]; then
   DEFAULT_GPUS=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
   DEFAULT_PRECISION=bf16
@@ -29,60 +51,71 @@ MASTER_PORT=${MASTER_PORT:-$((20000 + RANDOM % 20000))}
 TP=${TP:-1}
 PP=${PP:-1}
 ZERO=${ZERO:-0}                          # 0 | 1 (distributed optimizer) | 2 (Megatron-FSDP, grads sharded too)
-PRECISION=${PRECISION:-$DEFAULT_PRECISION}  # fp32 | bf16 | fp16
 SEQ_LEN=${SEQ_LEN:-128}
 MBS=${MBS:-8}
-GBS=${GBS:-$((MBS * GPUS * NNODES / TP / PP))}
+GBS=${GBS:-}                             # default: MBS x data-parallel size (no accumulation)
 TRAIN_ITERS=${TRAIN_ITERS:-300}
 LR=${LR:-1e-3}
 MIN_LR=${MIN_LR:-1e-4}
-WARMUP=${WARMUP:-$((TRAIN_ITERS / 15))}
+WARMUP=${WARMUP:-}                       # iterations; default: 1/15 of the final --train-iters (--lr-decay-iters)
+WARMUP_FRACTION=0.0667
 LOG_INTERVAL=${LOG_INTERVAL:-20}
 EVAL_INTERVAL=${EVAL_INTERVAL:-100}
 OUTPUT=${OUTPUT:-$ROOT/work_dirs/${MODEL_FAMILY}_${MODEL_SIZE}}
 SAVE=${SAVE:-$OUTPUT/checkpoints}
-SAVE_INTERVAL=${SAVE_INTERVAL:-$TRAIN_ITERS}
+SAVE_INTERVAL=${SAVE_INTERVAL:-}         # default: one checkpoint, when training ends
 
-if [ -z "${DATA_PATH:-}" ]; then
-  DATA_PATH=$(bash "$ROOT/pretrain_scripts/prepare_demo_data.sh" | tail -n 1)
-  DEMO_DIR=$(dirname "$DATA_PATH")
-  TOKENIZER_ARGS=(--tokenizer-type GPT2BPETokenizer --vocab-file "$DEMO_DIR/gpt2-vocab.json"
-                  --merge-file "$DEMO_DIR/gpt2-merges.txt")
-else
-  # DATA_PATH may be "prefix" or "w1 prefix1 w2 prefix2"; give the tokenizer through TOKENIZER_ARGS.
-  read -r -a TOKENIZER_ARGS <<< "${TOKENIZER_ARGS:-}"
+ARGS=(--model-family "$MODEL_FAMILY" --model-size "$MODEL_SIZE"
+      --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+      --seq-length "$SEQ_LEN" --micro-batch-size "$MBS" --train-iters "$TRAIN_ITERS"
+      --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine
+      --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --split 969,30,1
+      --data-cache-path "$OUTPUT/index_cache"
+      --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters 10
+      --save "$SAVE" --tensorboard-dir "$OUTPUT/tensorboard" --metrics-file "$OUTPUT/metrics.jsonl")
+[ -z "$GBS" ] || ARGS+=(--global-batch-size "$GBS")
+[ -z "$SAVE_INTERVAL" ] || ARGS+=(--save-interval "$SAVE_INTERVAL")
+# Switch-like defaults are left out when an extra flag makes the same choice, so the user's flag wins
+# instead of contradicting the launcher's (a warmup fraction and --lr-warmup-iters; bf16 and --fp16).
+if [ -n "$WARMUP" ]; then
+  ARGS+=(--lr-warmup-iters "$WARMUP")
+elif ! given --lr-warmup-iters --lr-warmup-fraction; then
+  ARGS+=(--lr-warmup-fraction "$WARMUP_FRACTION")  # resolved in Python against the final iteration counts
 fi
-read -r -a DATA_ARGS <<< "$DATA_PATH"
-
-PRECISION_ARGS=()
-case "$PRECISION" in
-  bf16) PRECISION_ARGS=(--bf16) ;;
-  fp16) PRECISION_ARGS=(--fp16) ;;
-  fp32) ;;
-  *) echo "PRECISION=$PRECISION: choose fp32, bf16 or fp16" >&2; exit 2 ;;
-esac
-ZERO_ARGS=()
+if [ -n "${PRECISION:-}" ] || ! given --bf16 --fp16 --mixed-precision; then
+  PRECISION=${PRECISION:-$DEFAULT_PRECISION}
+  case "$PRECISION" in
+    bf16) ARGS+=(--bf16) ;;
+    fp16) ARGS+=(--fp16) ;;
+    fp32) ;;
+    *) echo "configuration error: PRECISION=$PRECISION: choose fp32, bf16 or fp16" >&2; exit 2 ;;
+  esac
+fi
 case "$ZERO" in
   0) ;;
-  1|2) ZERO_ARGS=(--zero-$ZERO-memory-optimization) ;;
-  *) echo "ZERO=$ZERO: choose 0, 1 or 2" >&2; exit 2 ;;
+  1|2) ARGS+=(--zero-$ZERO-memory-optimization) ;;
+  *) echo "configuration error: ZERO=$ZERO: choose 0, 1 or 2" >&2; exit 2 ;;
 esac
+if [ -n "${DATA_PATH:-}" ]; then
+  # DATA_PATH may be "prefix" or "w1 prefix1 w2 prefix2"; give the tokenizer through TOKENIZER_ARGS.
+  read -r -a DATA_ARGS <<< "$DATA_PATH"
+  read -r -a TOKENIZER_ARGS <<< "${TOKENIZER_ARGS:-}"
+  ARGS+=(--data-path "${DATA_ARGS[@]}" "${TOKENIZER_ARGS[@]}")
+elif ! given --data-path --mock-data; then
+  DATA_PATH=$(bash "$ROOT/pretrain_scripts/prepare_demo_data.sh" | tail -n 1)
+  DEMO_DIR=$(dirname "$DATA_PATH")
+  ARGS+=(--data-path "$DATA_PATH" --tokenizer-type GPT2BPETokenizer --vocab-file "$DEMO_DIR/gpt2-vocab.json"
+         --merge-file "$DEMO_DIR/gpt2-merges.txt")
+fi
+ARGS+=("$@")
 
 mkdir -p "$OUTPUT"
-echo "run_gpt.sh: ${MODEL_FAMILY} ${MODEL_SIZE}, ${NNODES} node(s) x ${GPUS} process(es), TP=${TP} PP=${PP} ZeRO=${ZERO}, ${PRECISION}, log in $OUTPUT" >&2
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$([ "$HAS_GPU" = 1 ] && echo 8 || echo 1)}
+# One check for the whole job, here, before any worker starts: exits 2 with the reason on a mistake.
+env -u RANK -u LOCAL_RANK WORLD_SIZE=$((GPUS * NNODES)) "$PY" "$ROOT/pretrain_megatron_gpt.py" "${ARGS[@]}" \
+  --validate-only >&2
+echo "run_gpt.sh: ${NNODES} node(s) x ${GPUS} process(es), log in $OUTPUT" >&2
+given --validate-only && exit 0
 exec "$PY" -m torch.distributed.run --nproc-per-node "$GPUS" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
   --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" \
-  "$ROOT/pretrain_megatron_gpt.py" \
-  --model-family "$MODEL_FAMILY" --model-size "$MODEL_SIZE" \
-  --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP" \
-  --seq-length "$SEQ_LEN" --max-position-embeddings "$SEQ_LEN" \
-  --micro-batch-size "$MBS" --global-batch-size "$GBS" --train-iters "$TRAIN_ITERS" \
-  --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine --lr-warmup-iters "$WARMUP" \
-  --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 \
-  --data-path "${DATA_ARGS[@]}" "${TOKENIZER_ARGS[@]}" --split 969,30,1 \
-  --data-cache-path "$OUTPUT/index_cache" \
-  --log-interval "$LOG_INTERVAL" --eval-interval "$EVAL_INTERVAL" --eval-iters 10 \
-  --save "$SAVE" --save-interval "$SAVE_INTERVAL" --tensorboard-dir "$OUTPUT/tensorboard" \
-  --metrics-file "$OUTPUT/metrics.jsonl" \
-  "${PRECISION_ARGS[@]}" "${ZERO_ARGS[@]}" "$@"
+  "$ROOT/pretrain_megatron_gpt.py" "${ARGS[@]}"

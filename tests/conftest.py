@@ -15,7 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def run_tool(script: str, *args: str, check: bool = True) -> subprocess.CompletedProcess:
     """Run tools/<script> the way a user does, in a fresh interpreter."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tools", script), *args],
-                          capture_output=True, text=True, cwd=ROOT)
+                          capture_output=True, text=True, cwd=ROOT, timeout=600)  # a hang fails, not blocks
     if check and proc.returncode != 0:
         raise AssertionError(f"{script} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc
@@ -71,3 +71,15 @@ def minilm_vocab():
 @pytest.fixture(scope="session")
 def minilm_dir(minilm_vocab):
     return os.path.dirname(minilm_vocab)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tests marked `gpu` run only where CUDA is available (`make test-gpu`); elsewhere they are skipped, saying why."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `make test-gpu` on a GPU machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

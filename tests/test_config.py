@@ -1,4 +1,6 @@
 """Every validate() rejection, and presets/flags parsing."""
+import re
+
 import pytest
 
 from megatron_patch.config import ConfigError, parse_args
@@ -41,9 +43,40 @@ def cfg(*extra):
         (["--data-iterator", "dynamic-shape"], 1, "packed"),
     ],
 )
-def test_rejections(extra, world, match):
-    with pytest.raises(ConfigError, match=match.replace("(", r"\(").replace("+", r"\+")):
+def test_rejections(extra, world, match, no_gpu):
+    with pytest.raises(ConfigError, match=re.escape(match)):
         cfg(*extra).validate(world)
+
+
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """The rejections above describe a machine without a GPU, whatever machine runs the test."""
+    monkeypatch.setattr("megatron_patch.config.validate._has_gpu", lambda: False)
+
+
+@pytest.fixture
+def gpu_host(monkeypatch):
+    """validate() as it runs on a machine with a GPU (probed by megatron_patch.config.validate._has_gpu)."""
+    monkeypatch.setattr("megatron_patch.config.validate._has_gpu", lambda: True)
+
+
+def test_gpu_host_accepts_gpu_only_switches(gpu_host):
+    # --sequence-parallel is refused for the other reason only: it needs tensor parallelism.
+    with pytest.raises(ConfigError, match=re.escape("--sequence-parallel needs --tensor-model-parallel-size > 1")):
+        cfg("--sequence-parallel").validate(1)
+    assert cfg("--sequence-parallel", "--tensor-model-parallel-size", "2").validate(2).sequence_parallel
+    # --cpu-offload is accepted with ZeRO, and still refused without it.
+    assert cfg("--cpu-offload", "--zero-1-memory-optimization").validate(1).cpu_offload
+    with pytest.raises(ConfigError, match="--cpu-offload keeps the sharded optimizer state"):
+        cfg("--cpu-offload").validate(1)
+
+
+def test_gpu_probe_is_the_one_validate_consults(no_gpu):
+    # The same flags as above, on a machine without a GPU: refused because of the machine.
+    with pytest.raises(ConfigError, match="--sequence-parallel needs GPUs"):
+        cfg("--sequence-parallel", "--tensor-model-parallel-size", "2").validate(2)
+    with pytest.raises(ConfigError, match="this machine has no GPU"):
+        cfg("--cpu-offload", "--zero-1-memory-optimization").validate(1)
 
 
 def test_no_data_is_rejected():
@@ -58,6 +91,30 @@ def test_derived_values_and_aliases():
             "--mixed-precision", "--checkpoint-activations").validate(8)
     assert (c.data_parallel_size, c.num_microbatches) == (4, 4)
     assert c.fp16 and c.recompute_granularity == "full"
+
+
+def test_warmup_fraction_resolves_against_the_final_iterations():
+    # What the launchers pass by default: the warmup follows whatever --train-iters / --lr-decay-iters end up as.
+    assert cfg("--lr-warmup-fraction", "0.0667", "--train-iters", "300").validate(1).warmup_iters == 20
+    assert cfg("--lr-warmup-fraction", "0.0667", "--train-iters", "6").validate(1).warmup_iters == 0
+    c = cfg("--lr-warmup-fraction", "0.1", "--train-iters", "300", "--lr-decay-iters", "150").validate(1)
+    assert (c.warmup_iters, c.decay_iters) == (15, 150)
+    with pytest.raises(ConfigError, match=re.escape("--lr-warmup-fraction 1.5 must be in [0, 1)")):
+        cfg("--lr-warmup-fraction", "1.5").validate(1)
+
+
+def test_validate_twice_changes_nothing():
+    # The entry point validates before launch and initialize() again in each worker.
+    c = cfg("--mixed-precision", "--checkpoint-activations", "--micro-batch-size", "2", "--lr-warmup-fraction", "0.1")
+    once = dict(vars(c.validate(2)))
+    assert vars(c.validate(2)) == once
+
+
+def test_bad_flags_are_configuration_errors():
+    with pytest.raises(ConfigError, match="unrecognized arguments: --no-such-flag"):
+        parse_args(["--mock-data", "--no-such-flag"])
+    with pytest.raises(ConfigError, match="--train-iters: invalid int value"):
+        parse_args(["--train-iters", "ten"])
 
 
 def test_presets_and_overrides():

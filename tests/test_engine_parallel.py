@@ -1,44 +1,69 @@
-"""Each parallel layout trains exactly like the single-process run: same losses, same weights after 5 steps.
+"""Each parallel layout trains exactly like the single-process run: same losses, same gradient norm at every
+step, same weights after 5 steps.
 
 Several CPU processes with gloo (megatron-core on the CPU backend), a tiny fp32 GPT started from the same
 weights in every layout (--init-layout-invariant), the same global batches.
+
+Adam (m / sqrt(v) per element) and clipping (division by the global norm) cancel a constant factor on the
+gradients, so losses and weights alone do not see gradients summed instead of averaged over DP, a missing
+1/num_microbatches, or a tied embedding's gradient counted twice: the gradient norm does. One layout also
+runs without clipping and with an Adam epsilon far above every |gradient| (update ~ lr * m / eps, a
+momentum SGD), so such an error also reaches the weights and the losses.
 """
 import pytest
 import torch
 
-from engine_utils import full_weights, run_engine, train_losses
+from engine_utils import full_weights, per_iteration, run_engine, train_losses
 
-LAYOUTS = {
-    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
-    "pp2": (2, ["--pipeline-model-parallel-size", "2"]),
-    "pp2_vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
-    "dp2_zero1": (2, ["--zero-1-memory-optimization"]),
-    "dp2_zero2": (2, ["--zero-2-memory-optimization"]),
-    "tp2_dp2_zero2": (4, ["--tensor-model-parallel-size", "2", "--zero-2-memory-optimization"]),
-    # PP with ZeRO-2 exercises megatron_patch.parallel.megatron_fsdp_fixes (mesh, tied embedding grads).
-    "pp2_dp2_zero2": (4, ["--pipeline-model-parallel-size", "2", "--zero-2-memory-optimization"]),
+# optimizer settings of a reference run -> extra flags
+SETTINGS = {
+    "default": [],  # Adam, --clip-grad 1 (the grad norm is about 1.5: clipping is active)
+    "scale_sensitive": ["--clip-grad", "0", "--adam-eps", "1", "--lr", "0.1"],
+}
+
+LAYOUTS = {  # name -> (processes, flags, settings)
+    "tp2": (2, ["--tensor-model-parallel-size", "2"], "default"),
+    "pp2": (2, ["--pipeline-model-parallel-size", "2"], "default"),
+    "pp2_vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], "default"),
+    "dp2": (2, [], "default"),
+    "dp2_zero1": (2, ["--zero-1-memory-optimization"], "default"),
+    "dp2_zero2": (2, ["--zero-2-memory-optimization"], "default"),
+    "tp2_dp2_zero2": (4, ["--tensor-model-parallel-size", "2", "--zero-2-memory-optimization"], "default"),
+    # PP with ZeRO-2 exercises megatron_patch.compat.megatron_fsdp's fixes (mesh, tied embedding grads).
+    "pp2_dp2_zero2": (4, ["--pipeline-model-parallel-size", "2", "--zero-2-memory-optimization"], "default"),
+    # TP, PP (tied embedding), DP and 2 micro batches at once, where a gradient scale error moves the weights.
     "tp2_pp2_dp2_zero1": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                              "--zero-1-memory-optimization"]),
+                              "--zero-1-memory-optimization"], "scale_sensitive"),
 }
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    d = tmp_path_factory.mktemp("single")
-    lines, _ = run_engine(d, 1, "--save", str(d / "ckpt"))
-    return train_losses(lines), full_weights(str(d / "ckpt" / "iter_0000005"))
+def references(tmp_path_factory):
+    """settings -> (metrics lines, weights) of the single-process run; each run once, when first needed."""
+    runs = {}
+
+    def get(settings):
+        if settings not in runs:
+            d = tmp_path_factory.mktemp(settings)
+            lines, _ = run_engine(d, 1, *SETTINGS[settings], "--save", str(d / "ckpt"))
+            runs[settings] = lines, full_weights(str(d / "ckpt" / "iter_0000005"))
+        return runs[settings]
+
+    return get
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_layout_matches_single_process(name, reference, tmp_path):
-    ref_losses, ref_weights = reference
-    nproc, args = LAYOUTS[name]
-    lines, _ = run_engine(tmp_path, nproc, *args, "--save", str(tmp_path / "ckpt"))
-    losses = train_losses(lines)
+def test_layout_matches_single_process(name, references, tmp_path):
+    nproc, args, settings = LAYOUTS[name]
+    ref_lines, ref_weights = references(settings)
+    lines, _ = run_engine(tmp_path, nproc, *args, *SETTINGS[settings], "--save", str(tmp_path / "ckpt"))
+    losses, ref_losses = train_losses(lines), train_losses(ref_lines)
     assert len(losses) == len(ref_losses) == 5
     assert losses[-1] < losses[0]  # it learns
-    for got, want in zip(losses, ref_losses):
-        assert got == pytest.approx(want, rel=1e-5), (losses, ref_losses)
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    norms, ref_norms = per_iteration(lines, "grad_norm"), per_iteration(ref_lines, "grad_norm")
+    assert all(n > 0 for n in ref_norms)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
     weights = full_weights(str(tmp_path / "ckpt" / "iter_0000005"))
     assert set(weights) == set(ref_weights)
     for k, w in ref_weights.items():

@@ -121,3 +121,31 @@ def test_add_index_merges(tmp_path, pair):
     assert [x.tolist() for x in ds[:]] == [[1, 2, 3], [4], [5, 6]] * 2
     assert ds.document_indices.tolist() == [0, 2, 3, 5, 6]
     assert HEADER.unpack(open(out + ".idx", "rb").read(HEADER.size))[0] == MAGIC
+
+
+def _as_list(batch):
+    return batch
+
+
+def test_lazy_reader_in_forked_dataloader_workers(tmp_path):
+    """Every item, read through a DataLoader with 2 forked workers over one lazy reader, equals mmap's.
+
+    The reader is opened before the fork, so both workers share its file descriptor and file offset:
+    with seek-then-read one worker's seek can move the other's read. Random order (every read misses
+    the file object's buffer) and many small items per batch keep both workers reading at once.
+    """
+    rng = np.random.default_rng(3)
+    n = 40_000
+    lengths = rng.integers(1, 8, n).astype(np.int32)
+    prefix = str(tmp_path / "many_small")
+    w = IndexedDatasetWriter(prefix, np.int32)
+    w.add_documents(rng.integers(0, 2**31 - 1, int(lengths.sum())).astype(np.int32), lengths, np.ones(n, np.int64))
+    w.finalize()
+    lazy, mmap = IndexedDataset(prefix, impl="lazy"), IndexedDataset(prefix, impl="mmap")
+    order = rng.permutation(n).tolist()
+    loader = torch.utils.data.DataLoader(lazy, sampler=order, batch_size=2000, num_workers=2,
+                                         multiprocessing_context="fork", collate_fn=_as_list)
+    got = [item for batch in loader for item in batch]
+    assert len(got) == n
+    wrong = [i for i, item in zip(order, got) if not np.array_equal(item, mmap[i])]
+    assert not wrong, f"{len(wrong)} of {n} items read wrong through the lazy reader, first: {wrong[:5]}"

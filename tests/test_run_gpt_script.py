@@ -2,23 +2,113 @@
 import json
 import os
 import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
 
 from engine_utils import ROOT
 
 
 def test_run_gpt_sh_defaults_train_and_save(tmp_path):
-    env = dict(os.environ, TRAIN_ITERS="60", LOG_INTERVAL="10", EVAL_INTERVAL="30", OUTPUT=str(tmp_path / "out"),
+    """The demo as a user runs it, with the iteration count on the command line (TRAIN_ITERS keeps its 300):
+    what derives from it (warmup 1/15, one checkpoint at the end) must follow the flag. Its log goes to a
+    pipe and must arrive while the job runs, not at exit."""
+    env = dict(os.environ, LOG_INTERVAL="10", EVAL_INTERVAL="30", OUTPUT=str(tmp_path / "out"),
                DEMO_DIR=str(tmp_path / "demo"), PYTHONWARNINGS="ignore")
-    proc = subprocess.run(["bash", os.path.join(ROOT, "pretrain_scripts", "run_gpt.sh")], capture_output=True,
-                          text=True, env=env, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    for name in ("TRAIN_ITERS", "WARMUP", "SAVE_INTERVAL", "PYTHONUNBUFFERED"):
+        env.pop(name, None)
+    with open(tmp_path / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(["bash", os.path.join(ROOT, "pretrain_scripts", "run_gpt.sh"), "--train-iters", "60"],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        watchdog = threading.Timer(900, proc.kill)
+        watchdog.start()
+        arrivals = [(time.monotonic(), line) for line in iter(proc.stdout.readline, "")]
+        returncode = proc.wait()
+        watchdog.cancel()
+    stdout, stderr = "".join(line for _, line in arrivals), (tmp_path / "stderr.txt").read_text()
+    assert returncode == 0, stderr[-4000:]
     lines = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
     losses = [x["loss"] for x in lines if "loss" in x]
     assert len(losses) == 60
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 1.0  # clearly learning the demo corpus
-    assert "validation at iteration 60" in proc.stdout and "tokens/s" in proc.stdout
+    lrs = [x["lr"] for x in lines if "lr" in x]
+    assert lrs.index(max(lrs)) == 4 and max(lrs) == pytest.approx(1e-3)  # warmup 4 = 60 / 15 iterations
+    assert "validation at iteration 60" in stdout and "tokens/s" in stdout
     assert (tmp_path / "out" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "60"
+    assert sorted(os.listdir(tmp_path / "out" / "checkpoints")) == ["iter_0000060", "latest_checkpointed_iteration.txt"]
     assert os.listdir(tmp_path / "out" / "tensorboard")
+    # Streamed: the line of iteration 10 arrived while iterations 11..60 were still to run, so at least (about)
+    # their step times before the line of iteration 60. Buffered, the lines would arrive together (at exit).
+    arrived = {line.split()[1]: t for t, line in arrivals if line.startswith("iteration")}
+    steps = sum(x["step_time"] for x in lines if 10 < x.get("iteration", 0) <= 60 and "step_time" in x)
+    gap = arrived["60/60"] - arrived["10/60"]
+    assert gap > max(0.5 * steps, 0.1), f"iterations 11-60 took {steps:.2f} s, their log lines came {gap:.2f} s apart"
+
+
+def _launch(tmp_path, *args, script="run_gpt.sh", **env):
+    """run_gpt.sh as a user runs it; returns (exit status, stderr)."""
+    full = dict(os.environ, OUTPUT=str(tmp_path / "out"), PYTHONWARNINGS="ignore", **env)
+    for name in ("TRAIN_ITERS", "WARMUP", "GBS", "SAVE_INTERVAL", "PRECISION", "DATA_PATH", "GPUS", "TP", "PP"):
+        if name not in env:
+            full.pop(name, None)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "pretrain_scripts", script), *args], capture_output=True,
+                          text=True, env=full, timeout=300)
+    return proc.returncode, proc.stderr
+
+
+def test_run_gpt_sh_flags_win_over_the_launcher_defaults(tmp_path):
+    """A flag after the launcher's own wins, and every default that depends on it is derived from the final
+    flags (in Python), not from the launcher's variables."""
+    def settings(*args, **env):
+        rc, err = _launch(tmp_path, "--mock-data", *args, "--validate-only", **env)
+        assert rc == 0, err
+        return err
+
+    six = settings("--train-iters", "6")  # the warmup default (20 of 300) used to refuse this
+    assert "6 iterations, lr 0.001 warmup 0 (--lr-warmup-fraction 0.0667) cosine decay over 6" in six
+    assert "checkpoints to " + str(tmp_path / "out" / "checkpoints") + " at the end" in six
+    assert "300 iterations, lr 0.001 warmup 20 (--lr-warmup-fraction 0.0667)" in settings()
+    assert "warmup 2 cosine" in settings("--train-iters", "6", "--lr-warmup-iters", "2")
+    assert "warmup 150 (--lr-warmup-fraction 0.5)" in settings("--lr-warmup-fraction=0.5")
+    assert "warmup 10 cosine" in settings(WARMUP="10")
+    assert "micro batch 3 x 1 x DP 2 = global batch 6" in settings("--micro-batch-size", "3", GPUS="2")
+    assert "TP 2 x PP 1 x DP 1, micro batch 8 x 1 x DP 1 = global batch 8" in settings(
+        "--tensor-model-parallel-size", "2", GPUS="2")
+    assert "micro batch 8 x 4 x DP 1 = global batch 32" in settings(GBS="32")
+    assert "seq 256" in settings("--seq-length", "256")  # max positions follow the final sequence length
+    assert "every 2 iterations and at the end" in settings("--save-interval", "2")
+    assert ", fp16, " in settings("--fp16") and ", bf16, " in settings("--bf16")  # whatever PRECISION defaults to
+
+
+def test_run_gpt_sh_refuses_a_configuration_before_launch(tmp_path):
+    rc, err = _launch(tmp_path, "--mock-data", "--tensor-model-parallel-size", "3", GPUS="2")
+    assert rc == 2
+    assert err.strip() == ("configuration error: --num-attention-heads 4 is not divisible by "
+                           "--tensor-model-parallel-size 3; choose a TP size that divides the number of heads")
+    rc, err = _launch(tmp_path, "--mock-data", GPUS="3", TP="2")
+    assert rc == 2 and err.strip().startswith("configuration error: world size 3 is not divisible by "
+                                              "--tensor-model-parallel-size 2")
+
+
+def test_run_gpt_sh_refuses_bad_data_before_launch(tmp_path):
+    from megatron_patch.data.indexed_dataset import IndexedDatasetWriter
+
+    w = IndexedDatasetWriter(str(tmp_path / "foreign_text_document"), np.uint16)
+    for i in range(100):
+        w.add_document([np.arange(i, i + 50) * 90])  # ids up to 148 x 90 = 13320
+    w.finalize()
+    tokenizer = "--tokenizer-type NullTokenizer --vocab-size 8000"
+    rc, err = _launch(tmp_path, "--split", "90,10,0", DATA_PATH=str(tmp_path / "foreign_text_document"),
+                      TOKENIZER_ARGS=tokenizer)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"data error: {tmp_path}/foreign_text_document.bin: largest token id 13320 is outside the "
+                          f"tokenizer's vocabulary of 8001 (ids 0..8000), first at token ")
+    assert "made with another tokenizer" in err
+    rc, err = _launch(tmp_path, DATA_PATH=str(tmp_path / "foreign"), TOKENIZER_ARGS=tokenizer)
+    assert rc == 2 and err.strip() == (f"data error: --data-path {tmp_path}/foreign: {tmp_path}/foreign.idx not found; "
+                                       f"did you mean {tmp_path}/foreign_text_document?")
 
 
 def test_run_llama_sh_with_tensor_parallel(tmp_path):

@@ -1,10 +1,11 @@
 """Each --tokenizer-type gives the ids of the matching Hugging Face fast tokenizer on real text."""
 import os
+import re
 import shutil
 
 import pytest
 
-from megatron_patch.data.tokenizers import build_tokenizer
+from megatron_patch.data.tokenizers import TokenizerError, build_tokenizer
 from megatron_patch.data.tokenizers.python_bpe import PythonBPE
 
 EXTRA = ["Café naïve résumé — 東京 “quotes” 3.14159 <html> \t tabs\n\nnew paragraph", "  leading spaces", ""]
@@ -85,8 +86,11 @@ def test_null_tokenizer():
     assert tok.tokenize("1 2 99") == [1, 2, 99]
     assert tok.vocab_size == 101 and tok.eod == 100
     assert tok.detokenize([3, 4]) == "3 4"
-    with pytest.raises(ValueError, match="vocab-size"):
+    with pytest.raises(TokenizerError, match="vocab-size"):
         tok.tokenize("100")
+    # Ordinary text: the message names the offending token and the fix, not int()'s complaint.
+    with pytest.raises(TokenizerError, match=r"already token ids .* found 'Hello'; .* --tokenizer-type"):
+        tok.tokenize("1 Hello world")
 
 
 @pytest.mark.parametrize(
@@ -101,5 +105,50 @@ def test_null_tokenizer():
     ],
 )
 def test_bad_tokenizer_arguments(kwargs, match):
-    with pytest.raises((ValueError, FileNotFoundError), match=match):
+    with pytest.raises(TokenizerError, match=match):
         build_tokenizer(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "case,flag,match",
+    [
+        ("gpt2-vocab-is-merges", "--vocab-file", "not JSON .* pass a GPT-2 vocab.json"),
+        ("gpt2-vocab-is-text", "--vocab-file", "not JSON"),
+        ("gpt2-vocab-is-json-list", "--vocab-file", "not an object of token -> integer id"),
+        ("gpt2-vocab-is-binary", "--vocab-file", "not UTF-8 text"),
+        ("gpt2-merges-is-vocab", "--merge-file", "no BPE model can be built .* pass a GPT-2 merges.txt"),
+        ("gpt2-vocab-is-directory", "--vocab-file", "is a directory"),
+        ("bert-vocab-is-gpt2-json", "--vocab-file", r"lacks \[CLS\].* looks like a JSON vocabulary"),
+        ("bert-vocab-is-binary", "--vocab-file", "cannot be read as a vocabulary .* pass a BERT WordPiece vocab.txt"),
+        ("spm-model-is-text", "--tokenizer-model", "not a SentencePiece model .* pass a SentencePiece .model file"),
+        ("spm-model-missing", "--tokenizer-model", "no such file"),
+        ("hf-dir-without-tokenizer", "--tokenizer-model", "no Hugging Face tokenizer could be loaded .* save_pretrained"),
+    ],
+)
+def test_wrong_kind_of_file_names_flag_file_and_fix(gpt2_files, spm_model, minilm_vocab, tmp_path, case, flag, match):
+    """Each tokenizer given a file of the wrong kind says which flag and file, and what the file must be."""
+    vocab, merges = gpt2_files
+    text = tmp_path / "notes.txt"
+    text.write_text("just some notes\n")
+    json_list = tmp_path / "list.json"
+    json_list.write_text("[1, 2, 3]")
+    (tmp_path / "empty_dir").mkdir()
+    kwargs, path = {
+        "gpt2-vocab-is-merges": (dict(tokenizer_type="GPT2BPETokenizer", vocab_file=merges, merge_file=merges), merges),
+        "gpt2-vocab-is-text": (dict(tokenizer_type="GPT2BPETokenizer", vocab_file=str(text), merge_file=merges), str(text)),
+        "gpt2-vocab-is-json-list": (dict(tokenizer_type="GPT2BPETokenizer", vocab_file=str(json_list), merge_file=merges), str(json_list)),
+        "gpt2-vocab-is-binary": (dict(tokenizer_type="GPT2BPETokenizer", vocab_file=spm_model, merge_file=merges), spm_model),
+        "gpt2-merges-is-vocab": (dict(tokenizer_type="GPT2BPETokenizer", vocab_file=vocab, merge_file=vocab), vocab),
+        "gpt2-vocab-is-directory": (dict(tokenizer_type="GPT2BPETokenizer", vocab_file=str(tmp_path), merge_file=merges), str(tmp_path)),
+        "bert-vocab-is-gpt2-json": (dict(tokenizer_type="BertWordPieceLowerCase", vocab_file=vocab), vocab),
+        "bert-vocab-is-binary": (dict(tokenizer_type="BertWordPieceCase", vocab_file=spm_model), spm_model),
+        "spm-model-is-text": (dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model=minilm_vocab), minilm_vocab),
+        "spm-model-missing": (dict(tokenizer_type="SentencePieceTokenizer", tokenizer_model="/nope.model"), "/nope.model"),
+        "hf-dir-without-tokenizer": (dict(tokenizer_type="HuggingFaceTokenizer", tokenizer_model=str(tmp_path / "empty_dir")),
+                                     str(tmp_path / "empty_dir")),
+    }[case]
+    with pytest.raises(TokenizerError) as err:
+        build_tokenizer(**kwargs)
+    message = str(err.value)
+    assert message.startswith(f"{flag} {path}"), message
+    assert re.search(match, message), message

@@ -11,8 +11,16 @@ from .presets import FAMILIES, SIZES, preset
 _D = Config()  # defaults shown in --help
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises ConfigError for a bad flag instead of printing usage and exiting: the entry point
+    then reports it like any other configuration error (once, not once per torchrun worker)."""
+
+    def error(self, message: str):
+        raise ConfigError(f"{message} (--help lists every flag)")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         description="Pretrain a GPT/Llama-family model with megatron-core (TP/PP/DP, ZeRO-1, bf16/fp16).",
         argument_default=argparse.SUPPRESS,  # only flags given on the command line override presets/defaults
         allow_abbrev=False,
@@ -67,7 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--exit-interval", type=int, help="stop (after saving) when the iteration is a multiple of this")
     g.add_argument("--skip-train", action="store_true", help="only evaluate (validation and test sets), e.g. after --load")
     g.add_argument("--no-load-optim", action="store_true", help="with --load, take only the weights (fine-tuning)")
+    g.add_argument("--keep-last-n", type=int, help="after each save, delete all but the newest N complete checkpoints")
     g.add_argument("--compile", action="store_true", help="torch.compile the model (GPU)")
+    g.add_argument("--validate-only", action="store_true",
+                   help="check the configuration for WORLD_SIZE processes (default 1) and the data, print the resolved "
+                        "settings and exit: 0 when sound, 2 with the reason otherwise (the launchers run this "
+                        "before torchrun)")
 
     g = p.add_argument_group("parallelism and acceleration switches")
     g.add_argument("--tensor-model-parallel-size", type=int)
@@ -78,6 +91,11 @@ def build_parser() -> argparse.ArgumentParser:
         g.add_argument(f"--{name}", action="store_true")
     g.add_argument("--loss-scale", type=float, help="static loss scale for fp16 (default: dynamic)")
     g.add_argument("--initial-loss-scale", type=float)
+    g.add_argument("--min-loss-scale", type=float, help=f"dynamic scaling never goes below this (default {_D.min_loss_scale:g})")
+    g.add_argument("--loss-scale-window", type=float,
+                   help=f"clean steps before the dynamic loss scale doubles (default {_D.loss_scale_window:g})")
+    g.add_argument("--hysteresis", type=int,
+                   help=f"overflowing steps tolerated before the dynamic loss scale halves (default {_D.hysteresis})")
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
     g.add_argument("--recompute-method", choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int)

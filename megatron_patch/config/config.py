@@ -80,7 +80,9 @@ class Config:
     exit_interval: Optional[int] = None
     skip_train: bool = False
     no_load_optim: bool = False
+    keep_last_n: Optional[int] = None
     compile: bool = False
+    validate_only: bool = False  # check config and data for WORLD_SIZE processes, then exit
 
     # ---- parallelism and switches
     tensor_model_parallel_size: int = 1
@@ -95,6 +97,9 @@ class Config:
     mixed_precision: bool = False
     loss_scale: Optional[float] = None
     initial_loss_scale: float = 2.0**32
+    min_loss_scale: float = 1.0
+    loss_scale_window: float = 1000
+    hysteresis: int = 2
     checkpoint_activations: bool = False
     recompute_granularity: Optional[str] = None
     recompute_method: str = "uniform"
@@ -111,6 +116,19 @@ class Config:
         if self.num_layers_per_virtual_pipeline_stage is None:
             return None
         return self.num_layers // (self.pipeline_model_parallel_size * self.num_layers_per_virtual_pipeline_stage)
+
+    @property
+    def decay_iters(self) -> int:
+        """Iterations of learning-rate decay: --lr-decay-iters, else --train-iters."""
+        return self.lr_decay_iters or self.train_iters
+
+    @property
+    def warmup_iters(self) -> int:
+        """Warmup iterations: --lr-warmup-fraction of the decay iterations, else --lr-warmup-iters. Computed from
+        the final flags, so a launcher can give a fraction as its default whatever --train-iters ends up being."""
+        if self.lr_warmup_fraction is not None:
+            return int(self.lr_warmup_fraction * self.decay_iters)
+        return self.lr_warmup_iters
 
     @property
     def params_dtype_name(self) -> str:

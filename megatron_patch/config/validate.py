@@ -1,6 +1,8 @@
 """Rejections of impossible settings, run before any process group starts. Each says how to fix it."""
 from __future__ import annotations
 
+import os
+
 from .config import Config, ConfigError
 
 
@@ -14,8 +16,31 @@ def _fail(msg: str) -> None:
     raise ConfigError(msg)
 
 
+def check_save_dir(path: str) -> None:
+    """--save must be a directory this process can create and write, before any training happens."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, f".write_test_{os.getpid()}")
+        with open(probe, "w") as f:
+            f.write("ok")
+        os.remove(probe)
+    except OSError as e:
+        _fail(f"--save {path} is not a writable directory ({e.strerror or e}); choose a directory you can write to, "
+              f"or fix its permissions")
+
+
+def check_load_dir(path: str) -> None:
+    """--load must exist: a mistyped path must not silently train from scratch."""
+    if not os.path.isdir(path):
+        what = "is a file, not a checkpoint directory" if os.path.exists(path) else "does not exist"
+        _fail(f"--load {path} {what}; give the directory that holds latest_checkpointed_iteration.txt and iter_* "
+              f"(to start from scratch, create an empty directory or drop --load)")
+
+
 def validate(c: Config, world_size: int) -> None:
     tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
+    if world_size < 1:
+        _fail(f"world size {world_size}: launch at least one process (GPUS, --nproc-per-node)")
     if tp < 1 or pp < 1:
         _fail("--tensor-model-parallel-size and --pipeline-model-parallel-size must be at least 1")
     if c.num_attention_heads % tp:
@@ -105,8 +130,12 @@ def validate(c: Config, world_size: int) -> None:
         _fail(f"--lr-decay-style {c.lr_decay_style!r}: choose constant, linear or cosine")
     if c.lr_warmup_fraction is not None and c.lr_warmup_iters:
         _fail("pass --lr-warmup-fraction or --lr-warmup-iters, not both")
-    decay = c.lr_decay_iters or c.train_iters
-    warmup = int(c.lr_warmup_fraction * decay) if c.lr_warmup_fraction is not None else c.lr_warmup_iters
+    if c.train_iters < 1:
+        _fail("--train-iters must be at least 1")
+    decay, warmup = c.decay_iters, c.warmup_iters
+    if c.lr_warmup_fraction is not None and not 0 <= c.lr_warmup_fraction < 1:
+        _fail(f"--lr-warmup-fraction {c.lr_warmup_fraction} must be in [0, 1): the share of --lr-decay-iters "
+              f"(else --train-iters) spent warming up")
     if warmup >= decay:
         _fail(f"learning-rate warmup ({warmup} iterations) must end before decay does ({decay} iterations: "
               f"--lr-decay-iters or --train-iters); lower --lr-warmup-iters/--lr-warmup-fraction")
@@ -124,10 +153,14 @@ def validate(c: Config, world_size: int) -> None:
         _fail("--data-path needs --tokenizer-type (and its --vocab-file/--merge-file/--tokenizer-model)")
     if c.mock_data and not c.data_path and c.vocab_size is None:
         c.vocab_size = 1024
+    if c.keep_last_n is not None and c.keep_last_n < 1:
+        _fail(f"--keep-last-n {c.keep_last_n}: keep at least 1 checkpoint (the newest is never deleted)")
     if c.save_interval is not None and not c.save:
         _fail("--save-interval needs --save DIR")
-    if c.train_iters < 1:
-        _fail("--train-iters must be at least 1")
+    if c.save:
+        check_save_dir(c.save)
+    if c.load:
+        check_load_dir(c.load)
     c.world_size = world_size
     c.data_parallel_size = dp
     c.num_microbatches = c.global_batch_size // (c.micro_batch_size * dp)

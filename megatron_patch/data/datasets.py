@@ -4,51 +4,24 @@ samples (BERTMaskedWordPieceDataset), built by BlendedMegatronDatasetBuilder wit
 
 megatron-core always opens data through its own reader; the subclasses here open it through ours,
 so `--data-impl mmap|cached|lazy|infer` is honoured and a corrupt file is refused with a clear message.
+Before building, the data is checked (`megatron_patch.data.checks`): every prefix exists, every token id
+is inside the tokenizer's vocabulary, and (GPT) every split with a weight gets tokens.
 """
 from __future__ import annotations
 
 import contextlib
 import os
 import tempfile
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, Optional, Sequence, Tuple
 
 from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from .indexed_dataset import DATA_IMPLS, IndexedDataset, idx_path
+from .checks import DataError, check_split_sizes, check_token_ids, parse_data_path
+from .indexed_dataset import DATA_IMPLS, IndexedDataset
 
-Blend = Tuple[List[str], Optional[List[float]]]
-
-
-def parse_data_path(data_path: Sequence[str]) -> Blend:
-    """`--data-path a` / `a b` (weights from sizes) / `0.3 a 0.7 b` -> (prefixes, weights or None)."""
-    items = list(data_path)
-    if not items:
-        raise ValueError("--data-path is empty: give a prefix (made by tools/preprocess_data.py) or 'w1 p1 w2 p2 ...'")
-
-    def is_number(s: str) -> bool:
-        try:
-            float(s)
-            return True
-        except ValueError:
-            return False
-
-    if len(items) == 1 or not is_number(items[0]):
-        prefixes, weights = items, None
-    else:
-        if len(items) % 2:
-            raise ValueError(f"--data-path {' '.join(items)}: weighted blends come in pairs 'weight prefix ...'")
-        weights = [float(w) for w in items[0::2]]
-        prefixes = items[1::2]
-        if any(w < 0 for w in weights) or sum(weights) <= 0:
-            raise ValueError(f"--data-path weights {weights} must be non-negative and not all zero")
-    for p in prefixes:
-        if not os.path.isfile(idx_path(p)):
-            raise FileNotFoundError(
-                f"--data-path {p}: {idx_path(p)} not found; pass the prefix without .bin/.idx, e.g. my_corpus_text_document"
-            )
-    return prefixes, weights
+__all__ = ["DataError", "build_bert_datasets", "build_gpt_datasets", "parse_data_path"]
 
 
 def _our_reader(dataset_path: str, config) -> IndexedDataset:
@@ -79,7 +52,11 @@ def _build(dataset_cls, config_cls, data_path, tokenizer, seq_length, num_sample
     """Every rank gets datasets (unless `is_built_on_rank` says otherwise); megatron-core's builder lets
     rank 0 write the index caches first while the other ranks wait, then read them."""
     _check_impl(data_impl)
-    config = config_cls(random_seed=seed, sequence_length=seq_length, blend=parse_data_path(data_path), split=split,
+    blend = parse_data_path(data_path)
+    check_token_ids(blend[0], tokenizer.vocab_size, cache_dir)
+    if dataset_cls is PatchGPTDataset:  # GPT splits by sequence (BERT by document)
+        check_split_sizes(blend[0], split)
+    config = config_cls(random_seed=seed, sequence_length=seq_length, blend=blend, split=split,
                         path_to_cache=cache_dir, tokenizer=tokenizer, **specific)
     config.data_impl = data_impl
     return BlendedMegatronDatasetBuilder(dataset_cls, list(num_samples), is_built_on_rank or (lambda: True),

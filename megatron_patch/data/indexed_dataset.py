@@ -8,7 +8,7 @@ Layout, all little-endian:
   .bin  the tokens, back to back, in the dtype named by the code
 
 Readers (`--data-impl`): `mmap` memory-maps the .bin (default), `cached` reads it whole into RAM,
-`lazy` reads each item from the file on demand, `infer` picks from the header (mmap for MMIDIDX).
+`lazy` reads each item from the file on demand (positional reads, safe in forked workers), `infer` picks from the header (mmap for MMIDIDX).
 Every reader checks sizes on open, so a truncated or corrupt file is refused with its name and the fault.
 """
 from __future__ import annotations
@@ -49,7 +49,7 @@ class IndexedDatasetWriter:
     """Append documents (each one or more sequences of token ids) and finalize into prefix.bin/.idx.
 
     Files are written aside (`.tmp`) and renamed on `finalize()`, so a crash never leaves a pair that
-    looks complete.
+    looks complete. Used as a context manager, a writer not finalized by the end of the block is aborted.
     """
 
     def __init__(self, prefix: str, dtype: type = np.int32) -> None:
@@ -62,6 +62,14 @@ class IndexedDatasetWriter:
         self._lengths: List[np.ndarray] = []
         self._doc_starts: List[int] = [0]
         self._num_sequences = 0
+        self._finalized = False
+
+    def __enter__(self) -> "IndexedDatasetWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if not self._finalized:
+            self.abort()
 
     def add_document(self, sequences: Sequence[Sequence[int]]) -> None:
         """One document made of `sequences` (sentences, or a single sequence)."""
@@ -99,6 +107,7 @@ class IndexedDatasetWriter:
                 os.remove(p)
 
     def finalize(self) -> None:
+        """Write the .idx and publish the pair under its final names."""
         self._bin.close()
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
@@ -112,6 +121,7 @@ class IndexedDatasetWriter:
             f.write(docs.astype("<i8").tobytes())
         os.replace(bin_path(self.prefix) + ".tmp", bin_path(self.prefix))
         os.replace(idx_path(self.prefix) + ".tmp", idx_path(self.prefix))
+        self._finalized = True
 
 
 def read_header(prefix: str):
@@ -198,8 +208,13 @@ class IndexedDataset:
         start = int(self.sequence_pointers[idx]) + offset * self.dtype.itemsize
         if self._bin is not None:
             return np.frombuffer(self._bin, dtype=self.dtype, count=length, offset=start)
-        self._file.seek(start)
-        return np.frombuffer(self._file.read(length * self.dtype.itemsize), dtype=self.dtype)
+        # A positional read: forked DataLoader workers share this descriptor and its file offset, so
+        # seek-then-read in two of them at once could read another item's bytes.
+        data = os.pread(self._file.fileno(), length * self.dtype.itemsize, start)
+        if len(data) != length * self.dtype.itemsize:
+            raise CorruptIndexError(f"{bin_path(self.prefix)}: ends before byte {start + length * self.dtype.itemsize}; "
+                                    f"was it truncated after it was opened?")
+        return np.frombuffer(data, dtype=self.dtype)
 
     def __getitem__(self, idx: Union[int, slice]) -> Union[np.ndarray, List[np.ndarray]]:
         if isinstance(idx, slice):

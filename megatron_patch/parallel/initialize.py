@@ -1,5 +1,6 @@
 """Start the distributed run from the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
-MASTER_PORT) or as a single process, with NCCL on GPUs and gloo plus the CPU backend otherwise."""
+MASTER_PORT) or as a single process, with NCCL on GPUs and gloo plus the CPU backend
+(megatron_patch.compat.apply_cpu_backend) otherwise."""
 from __future__ import annotations
 
 import datetime
@@ -13,9 +14,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
+from megatron_patch import compat
 from megatron_patch.config import Config
-
-from . import cpu_backend
 
 
 def _free_port() -> int:
@@ -36,11 +36,12 @@ def initialize(cfg: Config) -> Config:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    compat.check_versions()  # once per process, before any workaround is applied
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
         backend = "nccl"
     else:
-        cpu_backend.enable()
+        compat.apply_cpu_backend()
         backend = "gloo"
     if not dist.is_initialized():
         dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))

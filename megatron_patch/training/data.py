@@ -1,10 +1,11 @@
-"""Training data for the engine: tokenizer from the config, GPT datasets, and per-DP-rank micro batches."""
+"""Training data for the engine: tokenizer from the config, GPT datasets, and per-DP-rank micro batches.
+
+torch and megatron-core are imported inside the functions that need them: `check_data` runs in the
+launcher's pre-launch check (`pretrain_megatron_gpt.py --validate-only`), which must stay quick.
+"""
 from __future__ import annotations
 
 from typing import Iterator, Optional, Tuple
-
-import torch
-from megatron.core import parallel_state as mpu
 
 from megatron_patch.config import Config
 from megatron_patch.data.tokenizers import AbstractTokenizer, build_tokenizer
@@ -14,6 +15,22 @@ def tokenizer_from_config(cfg: Config) -> AbstractTokenizer:
     if cfg.tokenizer_type is None:  # --mock-data without a tokenizer: ids 0..vocab_size-1, last is eod
         return build_tokenizer("NullTokenizer", vocab_size=cfg.vocab_size - 1)
     return build_tokenizer(cfg.tokenizer_type, cfg.vocab_file, cfg.merge_file, cfg.tokenizer_model, cfg.vocab_size)
+
+
+def check_data(cfg: Config) -> str:
+    """The checks `build_datasets` makes when it opens the data (prefixes exist, token ids inside the
+    tokenizer's vocabulary, every split gets tokens), without building anything; a DataError or
+    TokenizerError otherwise. Returns a one-line description for the launcher's summary."""
+    if cfg.mock_data:
+        return f"mock data (random ids below {cfg.vocab_size or 'the tokenizer vocabulary'})"
+    from megatron_patch.data.checks import check_split_sizes, check_token_ids, parse_data_path
+
+    prefixes, _ = parse_data_path(cfg.data_path)
+    vocab = tokenizer_from_config(cfg).vocab_size
+    largest = check_token_ids(prefixes, vocab, cfg.data_cache_path)
+    check_split_sizes(prefixes, cfg.split)
+    ids = f"largest token id {largest}" if largest >= 0 else "token ids fit by their dtype"
+    return f"{len(prefixes)} file(s), {ids}, vocabulary {vocab}, --split {cfg.split}"
 
 
 def sample_counts(cfg: Config) -> Tuple[int, int, int]:
@@ -58,12 +75,18 @@ class PretrainingBatchSampler:
 
 def build_iterator(dataset, cfg: Config, consumed_samples: int = 0, cycle: bool = False) -> Optional[Iterator]:
     """Micro batches (dicts of tensors) of this DP rank; `cycle` restarts at the end (evaluation)."""
+    import torch
+    from megatron.core import parallel_state as mpu
+
     if dataset is None:
         return None
     sampler = PretrainingBatchSampler(len(dataset), consumed_samples % len(dataset) if cycle else consumed_samples,
                                       cfg.micro_batch_size, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+    # Its own generator: a DataLoader draws its workers' base seed when an iterator starts, and from the
+    # global generator that would shift the dropout stream of a resumed run (which starts its iterator later).
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.num_workers,
-                                         pin_memory=torch.cuda.is_available(), persistent_workers=cfg.num_workers > 0)
+                                         pin_memory=torch.cuda.is_available(), persistent_workers=cfg.num_workers > 0,
+                                         generator=torch.Generator().manual_seed(cfg.seed))
     if not cycle:
         return iter(loader)
 

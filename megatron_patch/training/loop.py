@@ -7,13 +7,10 @@ pipelining, 1F1B, or interleaved 1F1B), one optimizer step, then logging, evalua
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import sys
 import time
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
@@ -23,15 +20,16 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megatron_patch.config import Config
-from megatron_patch.models import build_gpt_model
+from megatron_patch.models import build_gpt_model, padded_vocab_size
 from megatron_patch.models.init import layout_invariant_init
 from megatron_patch.parallel import initialize, print_rank_0
 
-from . import checkpointing
+from .checkpoint import Checkpointer, TrainState
 from .data import build_datasets, build_iterator, tokenizer_from_config
+from .evaluation import Validator
 from .memory import model_state_bytes
-from .metrics import flops_per_token, peak_tflops
 from .optimizer import build_optimizer, build_scheduler
+from .reporting import Reporter
 
 
 class TrainingDiverged(RuntimeError):
@@ -78,9 +76,9 @@ def _wrap_megatron_fsdp(cfg: Config, tconfig, chunk):
     """ZeRO-2: megatron-core's Megatron-FSDP with gradients and optimizer state sharded over DP."""
     from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
 
-    from megatron_patch.parallel import megatron_fsdp_fixes
+    from megatron_patch.compat import apply_megatron_fsdp_fixes
 
-    megatron_fsdp_fixes.apply()
+    apply_megatron_fsdp_fixes()
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=True, use_megatron_fsdp=True,
         data_parallel_sharding_strategy="optim_grads", overlap_grad_reduce=True, overlap_param_gather=False,
@@ -143,6 +141,8 @@ class Trainer:
     def __init__(self, cfg: Config) -> None:
         self.cfg = initialize(cfg)
         self.tokenizer = tokenizer_from_config(cfg)
+        # Data first: a bad --data-path or out-of-vocabulary ids are reported before the model is built.
+        self.train_ds, self.valid_ds, self.test_ds = build_datasets(cfg, self.tokenizer)
         self.model = build_model(cfg, self.tokenizer.vocab_size)
         self.optimizer, self.optimizer_name = build_optimizer(cfg, self.model)
         self.scheduler = build_scheduler(cfg, self.optimizer)
@@ -151,22 +151,20 @@ class Trainer:
         tconfig.grad_scale_func = self.optimizer.scale_loss
         if cfg.zero_2_memory_optimization:
             tconfig.no_sync_func = self.model[0].no_sync  # reduce-scatter once per step, not per micro batch
-        self.iteration, self.consumed_samples = 0, 0
-        if cfg.load:
-            state = checkpointing.load_checkpoint(cfg, self.model, self.optimizer, self.scheduler,
-                                                  load_optimizer=not cfg.no_load_optim)
-            self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
-        self.train_ds, self.valid_ds, self.test_ds = build_datasets(cfg, self.tokenizer)
+        self.checkpointer = Checkpointer(cfg, self.model, self.optimizer, self.scheduler, model_info={
+            "vocab_size": self.tokenizer.vocab_size, "padded_vocab_size": padded_vocab_size(self.tokenizer.vocab_size, cfg)})
+        self.state = (self.checkpointer.load() if cfg.load else None) or TrainState()
+        self.validator = Validator(cfg, self.valid_ds, partial(self._iterators, cycle=True), self.evaluate)
         self.num_params = count_parameters(self.model)
         self.fwd_bwd = get_forward_backward_func()
         self.history: List[Dict[str, float]] = []
-        self._writer = None
-        if cfg.tensorboard_dir and dist.get_rank() == dist.get_world_size() - 1:
-            from torch.utils.tensorboard import SummaryWriter
 
-            self._writer = SummaryWriter(cfg.tensorboard_dir)
+    @property
+    def iteration(self) -> int:
+        return self.state.iteration
 
     def _iterators(self, dataset, consumed: int, cycle: bool):
+        """One iterator per model chunk (virtual pipeline stages each read the micro batches)."""
         n = len(self.model)
         return [build_iterator(dataset, self.cfg, consumed, cycle) for _ in range(n)] if n > 1 else \
             build_iterator(dataset, self.cfg, consumed, cycle)
@@ -197,12 +195,10 @@ class Trainer:
         return self.optimizer.get_loss_scale().item() if hasattr(self.optimizer, "get_loss_scale") else 1.0
 
     @torch.no_grad()
-    def evaluate(self, dataset, iters: int, consumed: int = 0) -> float:
-        if dataset is None or iters <= 0:
-            return float("nan")
+    def evaluate(self, iterator, iters: int) -> float:
+        """Mean loss of the next `iters` global batches of `iterator` (forward only)."""
         for m in self.model:
             m.eval()
-        iterator = self._iterators(dataset, consumed, cycle=True)
         total = 0.0
         for _ in range(iters):
             total += _mean_loss(self._run_batches(iterator, forward_only=True))
@@ -210,116 +206,86 @@ class Trainer:
             m.train()
         return total / iters
 
-    def save(self) -> None:
-        path = checkpointing.save_checkpoint(self.cfg, self.iteration, self.model, self.optimizer, self.scheduler,
-                                             self.consumed_samples)
-        print_rank_0(f"saved checkpoint {path}")
-
-    def _log(self, metrics: Dict[str, float], dt: float, iters: int) -> None:
+    def _describe(self) -> str:
         cfg = self.cfg
-        tokens = cfg.global_batch_size * cfg.seq_length * iters
-        tps = tokens / dt
-        tflops = tps * flops_per_token(self.num_params, cfg.num_layers, cfg.hidden_size, cfg.seq_length) / 1e12
-        peak = peak_tflops()
-        per_gpu = tflops / dist.get_world_size()
-        lr = metrics["lr"]
-        scale = metrics["loss_scale"]
-        mem = (f" | mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if torch.cuda.is_available() else "")
-        mfu = f" | MFU {100 * per_gpu / peak:.1f}%" if peak else ""
-        line = (f"iteration {self.iteration:>6}/{cfg.train_iters} | loss {metrics['loss']:.4f} | lr {lr:.3e} | "
-                f"grad norm {metrics['grad_norm']:.3f} | loss scale {scale:g} | {1000 * dt / iters:.0f} ms/iter | "
-                f"tokens/s {tps:,.0f} | TFLOP/s/GPU {per_gpu:.1f}{mfu}{mem}")
-        if metrics["skipped"]:
-            line += " | step skipped (inf/nan grads, loss scale lowered)"
-        print_rank_0(line)
-        if self._writer:
-            for k, v in (("lm loss", metrics["loss"]), ("learning-rate", lr), ("grad-norm", metrics["grad_norm"]),
-                         ("loss-scale", scale), ("tokens-per-sec", tps), ("tflops-per-gpu", per_gpu)):
-                self._writer.add_scalar(k, v, self.iteration)
+        vpp = cfg.virtual_pipeline_model_parallel_size
+        zero = 2 if cfg.zero_2_memory_optimization else 1 if cfg.zero_1_memory_optimization else 0
+        return (f"model: {cfg.model_family or 'custom'} {self.num_params / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
+                f"hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, seq {cfg.seq_length} | "
+                f"TP {cfg.tensor_model_parallel_size} PP {cfg.pipeline_model_parallel_size} DP {cfg.data_parallel_size}"
+                f"{' VPP ' + str(vpp) if vpp else ''} | {cfg.params_dtype_name} | ZeRO-{zero} | "
+                f"micro batch {cfg.micro_batch_size} x {cfg.num_microbatches} accumulation x DP {cfg.data_parallel_size} = "
+                f"global batch {cfg.global_batch_size} | optimizer: {self.optimizer_name}")
 
     def train(self) -> List[Dict[str, float]]:
-        cfg = self.cfg
-        print_rank_0(
-            f"model: {cfg.model_family or 'custom'} {self.num_params / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
-            f"hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, seq {cfg.seq_length} | "
-            f"TP {cfg.tensor_model_parallel_size} PP {cfg.pipeline_model_parallel_size} DP {cfg.data_parallel_size}"
-            f"{' VPP ' + str(cfg.virtual_pipeline_model_parallel_size) if cfg.virtual_pipeline_model_parallel_size else ''}"
-            f" | {cfg.params_dtype_name} | ZeRO-{2 if cfg.zero_2_memory_optimization else 1 if cfg.zero_1_memory_optimization else 0} | "
-            f"micro batch {cfg.micro_batch_size} x {cfg.num_microbatches} accumulation x DP {cfg.data_parallel_size} = "
-            f"global batch {cfg.global_batch_size} | optimizer: {self.optimizer_name}")
+        cfg, state = self.cfg, self.state
+        print_rank_0(self._describe())
         if cfg.skip_train:
             return self._final_evaluation()
-        self._start_iteration = self.iteration
-        train_iter = self._iterators(self.train_ds, self.consumed_samples, cycle=False)
-        bar = None
-        if dist.get_rank() == 0 and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            bar = tqdm(total=cfg.train_iters, initial=self.iteration, desc="training", unit="it", leave=False)
+        reporter = Reporter(cfg, self.num_params, state.iteration)
+        train_iter = self._iterators(self.train_ds, state.consumed_samples, cycle=False)
+        start = state.iteration
         t0, since = time.time(), 0
-        while self.iteration < cfg.train_iters:
+        while state.iteration < cfg.train_iters:
             step_start = time.time()
             metrics = self.train_step(train_iter)  # its loss reduction synchronizes with the device
             metrics["step_time"] = time.time() - step_start
-            self.iteration += 1
-            self.consumed_samples += cfg.global_batch_size
+            state.iteration += 1
+            state.consumed_samples += cfg.global_batch_size
             since += 1
-            metrics["iteration"] = self.iteration
-            if self.iteration == 1 or self.iteration == self._start_iteration + 1:
-                metrics.update({f"bytes_{k}": v for k, v in model_state_bytes(self.model, self.optimizer).items()})
-                metrics["num_params"] = self.num_params
-                print_rank_0(f"model state on rank 0: weights {metrics['bytes_weights'] / 2**20:.1f} MiB, gradient "
-                             f"buffers {metrics['bytes_grads'] / 2**20:.1f} MiB, optimizer state "
-                             f"{metrics['bytes_optimizer'] / 2**20:.1f} MiB ({self.num_params / 1e6:.1f}M parameters)")
+            metrics["iteration"] = state.iteration
+            if torch.cuda.is_available():
+                metrics["max_memory_bytes"] = torch.cuda.max_memory_allocated()
+            if state.iteration == start + 1:
+                self._report_memory(metrics)
             self.history.append(metrics)
-            self._record(metrics)
-            if bar:
-                bar.update(1)
-                bar.set_postfix(loss=f"{metrics['loss']:.3f}")
-            if not math.isfinite(metrics["loss"]):
-                msg = f"loss is {metrics['loss']} at iteration {self.iteration}"
-                print_rank_0("error: " + msg)
-                if cfg.exit_on_nan:
-                    raise TrainingDiverged(msg + " (pass --no-exit-on-nan to continue)")
-            if self.iteration % cfg.log_interval == 0 or self.iteration == cfg.train_iters:
+            reporter.step(metrics)
+            self._check_finite(metrics["loss"])
+            if state.iteration % cfg.log_interval == 0 or state.iteration == cfg.train_iters:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
-                self._log(metrics, time.time() - t0, since)
+                reporter.log(metrics, time.time() - t0, since)
                 t0, since = time.time(), 0
-            if cfg.eval_iters > 0 and cfg.eval_interval and self.iteration % cfg.eval_interval == 0:
-                val = self.evaluate(self.valid_ds, cfg.eval_iters)
-                self._record({"iteration": self.iteration, "valid_loss": val})
-                print_rank_0(f"validation at iteration {self.iteration} | lm loss {val:.4f} | ppl {math.exp(min(val, 50)):.2f}")
-                if self._writer:
-                    self._writer.add_scalar("validation lm loss", val, self.iteration)
+            if self.validator.should_run(state.iteration):
+                reporter.validation(state.iteration, self.validator.run(state))
                 t0 = time.time()
-            if cfg.save and cfg.save_interval and self.iteration % cfg.save_interval == 0:
-                self.save()
+            stopping = bool(cfg.exit_interval and state.iteration % cfg.exit_interval == 0)
+            if self.checkpointer.should_save(state.iteration, stopping=stopping):
+                self.checkpointer.save(state)
                 t0 = time.time()
-            if cfg.exit_interval and self.iteration % cfg.exit_interval == 0:
-                print_rank_0(f"exiting at iteration {self.iteration} (--exit-interval {cfg.exit_interval})")
+            if stopping:
+                print_rank_0(f"exiting at iteration {state.iteration} (--exit-interval {cfg.exit_interval})")
                 break
-        if bar:
-            bar.close()
-        if cfg.save and (not cfg.save_interval or self.iteration % cfg.save_interval):
-            self.save()
-        if self._writer:
-            self._writer.flush()
+        if self.checkpointer.should_save(state.iteration, stopping=True):
+            self.checkpointer.save(state)
+        reporter.close()
         return self.history
 
-    def _record(self, metrics: Dict[str, float]) -> None:
-        """One JSON line per record in --metrics-file (rank 0)."""
-        if self.cfg.metrics_file and dist.get_rank() == 0:
-            with open(self.cfg.metrics_file, "a") as f:
-                f.write(json.dumps(metrics) + "\n")
+    def _report_memory(self, metrics: Dict[str, float]) -> None:
+        metrics.update({f"bytes_{k}": v for k, v in model_state_bytes(self.model, self.optimizer).items()})
+        metrics["num_params"] = self.num_params
+        print_rank_0(f"model state on rank 0: weights {metrics['bytes_weights'] / 2**20:.1f} MiB, gradient "
+                     f"buffers {metrics['bytes_grads'] / 2**20:.1f} MiB, optimizer state "
+                     f"{metrics['bytes_optimizer'] / 2**20:.1f} MiB ({self.num_params / 1e6:.1f}M parameters)")
+
+    def _check_finite(self, loss: float) -> None:
+        if math.isfinite(loss):
+            return
+        msg = f"loss is {loss} at iteration {self.state.iteration}"
+        print_rank_0("error: " + msg)
+        if self.cfg.exit_on_nan:
+            raise TrainingDiverged(msg + " (pass --no-exit-on-nan to continue)")
 
     def _final_evaluation(self) -> List[Dict[str, float]]:
+        """--skip-train: the next validation batches (as the run would have evaluated them) and the test set."""
         cfg = self.cfg
-        result = {"iteration": self.iteration, "valid_loss": self.evaluate(self.valid_ds, cfg.eval_iters),
-                  "test_loss": self.evaluate(self.test_ds, cfg.eval_iters)}
-        print_rank_0(f"evaluation at iteration {self.iteration} | validation lm loss {result['valid_loss']:.6f} | "
-                     f"test lm loss {result['test_loss']:.6f}")
-        self._record(result)
+        valid = self.validator.run(self.state) if self.valid_ds is not None and cfg.eval_iters > 0 else float("nan")
+        test = self.evaluate(self._iterators(self.test_ds, 0, cycle=True), cfg.eval_iters) \
+            if self.test_ds is not None and cfg.eval_iters > 0 else float("nan")
+        reporter = Reporter(cfg, self.num_params, self.state.iteration)
+        reporter.validation(self.state.iteration, valid, test)
+        reporter.close()
+        result = {"iteration": self.state.iteration, "valid_loss": valid, "test_loss": test}
         self.history.append(result)
         return self.history
 

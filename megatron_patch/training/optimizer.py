@@ -2,19 +2,16 @@
 scaling) with `--optimizers apex_adam|apex_lamb`, and its learning-rate schedule."""
 from __future__ import annotations
 
-from typing import List, Tuple
+from typing import Tuple
 
 import torch
 from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from megatron_patch.compat.optimizer import replace_torch_optimizer, use_fused_adam
 from megatron_patch.config import Config
 
 from .lamb import Lamb
-
-
-def _inner_wrappers(opt) -> List:
-    return list(getattr(opt, "chained_optimizers", [opt]))
 
 
 def _apex_lamb():
@@ -34,7 +31,8 @@ def build_optimizer(cfg: Config, model_chunks) -> Tuple[object, str]:
         optimizer="adam", lr=cfg.lr, min_lr=cfg.min_lr, weight_decay=cfg.weight_decay,
         adam_beta1=cfg.adam_beta1, adam_beta2=cfg.adam_beta2, adam_eps=cfg.adam_eps, clip_grad=cfg.clip_grad,
         bf16=cfg.bf16, fp16=cfg.fp16, params_dtype=torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32,
-        loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale,
+        loss_scale=cfg.loss_scale, initial_loss_scale=cfg.initial_loss_scale, min_loss_scale=cfg.min_loss_scale,
+        loss_scale_window=cfg.loss_scale_window, hysteresis=cfg.hysteresis,
         use_distributed_optimizer=cfg.zero_1_memory_optimization or cfg.zero_2_memory_optimization,
         # --cpu-offload: the sharded fp32 main weights and Adam moments live in host memory and the Adam
         # step runs there (megatron-core's HybridDeviceOptimizer); the GPU keeps bf16 weights and grads.
@@ -46,23 +44,15 @@ def build_optimizer(cfg: Config, model_chunks) -> Tuple[object, str]:
     on_gpu = torch.cuda.is_available()
     if cfg.optimizers == "apex_lamb":
         fused = _apex_lamb()
-        for w in _inner_wrappers(opt):
-            groups = [dict(g) for g in w.optimizer.param_groups]
-            for g in groups:
-                g.pop("betas", None), g.pop("eps", None), g.pop("amsgrad", None), g.pop("foreach", None)
-                g.pop("maximize", None), g.pop("capturable", None), g.pop("differentiable", None), g.pop("fused", None)
-                g.pop("decoupled_weight_decay", None)
-            kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
-            w.optimizer = fused(groups, **kwargs) if fused else Lamb(groups, **kwargs)
+        kwargs = dict(lr=cfg.lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_eps, weight_decay=cfg.weight_decay)
+        replace_torch_optimizer(opt, lambda groups: (fused or Lamb)(groups, **kwargs))
         return opt, "apex FusedLAMB" if fused else "LAMB (torch foreach; apex not installed)"
     if cfg.cpu_offload:
         return opt, "Adam offloaded to the CPU (megatron-core HybridDeviceOptimizer)"
     if not using_torch:
         return opt, "fused Adam from Transformer Engine/apex"
     if on_gpu:
-        for w in _inner_wrappers(opt):
-            for g in w.optimizer.param_groups:
-                g["fused"], g["foreach"] = True, False
+        use_fused_adam(opt)
         return opt, "torch AdamW (fused CUDA kernel; apex not installed)"
     return opt, "torch AdamW (foreach; no GPU, apex not installed)"
 
@@ -70,8 +60,7 @@ def build_optimizer(cfg: Config, model_chunks) -> Tuple[object, str]:
 def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
     """Megatron's schedule, counted in samples: warmup, then constant/linear/cosine decay to --min-lr."""
     gbs = cfg.global_batch_size
-    decay_iters = cfg.lr_decay_iters or cfg.train_iters
-    warmup_iters = int(cfg.lr_warmup_fraction * decay_iters) if cfg.lr_warmup_fraction is not None else cfg.lr_warmup_iters
+    decay_iters, warmup_iters = cfg.decay_iters, cfg.warmup_iters
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr,
         lr_warmup_steps=warmup_iters * gbs, lr_decay_steps=decay_iters * gbs, lr_decay_style=cfg.lr_decay_style,

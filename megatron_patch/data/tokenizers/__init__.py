@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from .base import NO_TOKEN, AbstractTokenizer
+from .base import NO_TOKEN, AbstractTokenizer, TokenizerError
 
 TOKENIZER_TYPES = (
     "GPT2BPETokenizer",
@@ -22,7 +22,10 @@ def build_tokenizer(
     tokenizer_model: Optional[str] = None,
     vocab_size: Optional[int] = None,
 ) -> AbstractTokenizer:
-    """Make the tokenizer named by `--tokenizer-type` from local files (nothing is downloaded)."""
+    """Make the tokenizer named by `--tokenizer-type` from local files (nothing is downloaded).
+
+    Unusable flags or files raise TokenizerError (a ValueError) naming the flag, the file and the fix.
+    """
     if tokenizer_type == "GPT2BPETokenizer":
         from .gpt2 import GPT2BPETokenizer
 
@@ -47,7 +50,7 @@ def build_tokenizer(
         from .null import NullTokenizer
 
         return NullTokenizer(vocab_size)
-    raise ValueError(f"--tokenizer-type {tokenizer_type!r} is not known; choose one of {', '.join(TOKENIZER_TYPES)}")
+    raise TokenizerError(f"--tokenizer-type {tokenizer_type!r} is not known; choose one of {', '.join(TOKENIZER_TYPES)}")
 
 
-__all__ = ["AbstractTokenizer", "NO_TOKEN", "TOKENIZER_TYPES", "build_tokenizer"]
+__all__ = ["AbstractTokenizer", "NO_TOKEN", "TOKENIZER_TYPES", "TokenizerError", "build_tokenizer"]

@@ -5,11 +5,31 @@ The attribute names are the ones megatron-core's datasets read (`vocab_size`, `e
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 # megatron-core's datasets treat -1 as "this tokenizer has no pad token".
 NO_TOKEN = -1
+
+
+class TokenizerError(ValueError):
+    """A tokenizer's flags or files are unusable, or text it cannot tokenize.
+
+    The message names the flag and file (or the offending token) and the fix, so command-line tools
+    print it as is instead of a traceback.
+    """
+
+
+def require_file(path: Optional[str], flag: str, owner: str, what: str) -> str:
+    """`path` when it names a regular file; otherwise a TokenizerError naming `flag`, the path and `what` it should be."""
+    if not path:
+        raise TokenizerError(f"{owner} needs {flag} PATH to {what}")
+    if os.path.isdir(path):
+        raise TokenizerError(f"{flag} {path}: is a directory; pass the path of {what}")
+    if not os.path.isfile(path):
+        raise TokenizerError(f"{flag} {path}: no such file; pass the path of {what}")
+    return path
 
 
 class AbstractTokenizer(ABC):

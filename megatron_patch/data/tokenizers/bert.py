@@ -5,12 +5,13 @@ characters, lower-case and strip accents for the uncased variant, `##` continuat
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Sequence
 
-from tokenizers import BertWordPieceTokenizer
+from tokenizers import BertWordPieceTokenizer, models
 
-from .base import AbstractTokenizer
+from .base import AbstractTokenizer, TokenizerError, require_file
+
+VOCAB_WHAT = "a BERT WordPiece vocab.txt (one token per line, with [CLS], [SEP], [MASK] and [PAD])"
 
 
 class _BertWordPiece(AbstractTokenizer):
@@ -20,18 +21,26 @@ class _BertWordPiece(AbstractTokenizer):
 
     def __init__(self, vocab_file: str) -> None:
         self.source = {"vocab_file": vocab_file}
-        if not vocab_file:
-            raise ValueError(f"{self.name} needs --vocab-file PATH to a BERT vocab.txt")
-        if not os.path.isfile(vocab_file):
-            raise FileNotFoundError(f"--vocab-file {vocab_file}: no such file")
+        require_file(vocab_file, "--vocab-file", self.name, VOCAB_WHAT)
+        # Read and check the vocabulary first: the library's own errors name neither file nor flag.
+        try:
+            vocab = models.WordPiece.read_file(vocab_file)
+        except Exception as e:  # the Rust library raises a bare Exception (e.g. a binary file)
+            raise TokenizerError(f"--vocab-file {vocab_file}: cannot be read as a vocabulary ({e}); pass {VOCAB_WHAT}") from None
+        missing = [t for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]") if t not in vocab]
+        if missing:
+            with open(vocab_file, "rb") as f:
+                looks_json = f.read(1) == b"{"
+            hint = " It looks like a JSON vocabulary (GPT-2's vocab.json needs --tokenizer-type GPT2BPETokenizer)." if looks_json else ""
+            raise TokenizerError(
+                f"--vocab-file {vocab_file} lacks {', '.join(missing)}, so it is not a BERT WordPiece vocabulary; "
+                f"pass {VOCAB_WHAT}.{hint}"
+            )
         self._tok = BertWordPieceTokenizer(
-            vocab_file, lowercase=self.lower_case, strip_accents=self.lower_case, clean_text=True,
+            vocab, lowercase=self.lower_case, strip_accents=self.lower_case, clean_text=True,
             handle_chinese_chars=True,
         )
         self._vocab = self._tok.get_vocab()
-        for t in ("[CLS]", "[SEP]", "[MASK]", "[PAD]"):
-            if t not in self._vocab:
-                raise ValueError(f"--vocab-file {vocab_file} lacks {t}; it is not a BERT WordPiece vocabulary")
         self._batch = getattr(self._tok._tokenizer, "encode_batch_fast", self._tok._tokenizer.encode_batch)
 
     def tokenize(self, text: str) -> List[int]:

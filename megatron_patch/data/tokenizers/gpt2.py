@@ -11,18 +11,28 @@ from typing import Dict, List, Sequence
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-from .base import AbstractTokenizer
+from .base import AbstractTokenizer, TokenizerError, require_file
 
 EOD_TOKEN = "<|endoftext|>"
+VOCAB_WHAT = "a GPT-2 vocab.json (a JSON object of token -> id; tools/train_tokenizer.py writes one)"
+MERGES_WHAT = "a GPT-2 merges.txt (one 'left right' merge per line, saved with the vocab.json)"
 
 
-def _check_file(path: str, flag: str) -> None:
-    import os
-
-    if not path:
-        raise ValueError(f"GPT2BPETokenizer needs {flag}: pass {flag} PATH (see tools/train_tokenizer.py to make one)")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{flag} {path}: no such file")
+def _read_vocab(path: str) -> Dict[str, int]:
+    """The token -> id map of a vocab.json, or a TokenizerError that says what the file is instead."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            vocab = json.load(f)
+    except UnicodeDecodeError as e:
+        raise TokenizerError(f"--vocab-file {path}: not UTF-8 text (byte {e.start}: {e.reason}); pass {VOCAB_WHAT}") from None
+    except json.JSONDecodeError as e:
+        raise TokenizerError(
+            f"--vocab-file {path}: not JSON ({e.msg} at line {e.lineno} column {e.colno}), so not a GPT-2 vocab.json; "
+            f"pass {VOCAB_WHAT}, and the merges.txt as --merge-file"
+        ) from None
+    if not isinstance(vocab, dict) or not all(isinstance(v, int) for v in vocab.values()):
+        raise TokenizerError(f"--vocab-file {path}: JSON, but not an object of token -> integer id; pass {VOCAB_WHAT}")
+    return vocab
 
 
 class GPT2BPETokenizer(AbstractTokenizer):
@@ -30,15 +40,21 @@ class GPT2BPETokenizer(AbstractTokenizer):
 
     def __init__(self, vocab_file: str, merge_file: str) -> None:
         self.source = {"vocab_file": vocab_file, "merge_file": merge_file}
-        _check_file(vocab_file, "--vocab-file")
-        _check_file(merge_file, "--merge-file")
-        with open(vocab_file, encoding="utf-8") as f:
-            self._vocab: Dict[str, int] = json.load(f)
-        self._tok = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        require_file(vocab_file, "--vocab-file", self.name, VOCAB_WHAT)
+        require_file(merge_file, "--merge-file", self.name, MERGES_WHAT)
+        self._vocab: Dict[str, int] = _read_vocab(vocab_file)
+        if EOD_TOKEN not in self._vocab:
+            raise TokenizerError(f"--vocab-file {vocab_file} has no {EOD_TOKEN!r} entry, which GPT-2 vocabularies use as end of document")
+        try:
+            model = models.BPE.from_file(vocab_file, merge_file)
+        except Exception as e:  # the Rust library raises a bare Exception; the vocab was checked above
+            raise TokenizerError(
+                f"--merge-file {merge_file}: no BPE model can be built from it with --vocab-file {vocab_file} ({e}); "
+                f"pass {MERGES_WHAT}"
+            ) from None
+        self._tok = Tokenizer(model)
         self._tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         self._tok.decoder = decoders.ByteLevel()
-        if EOD_TOKEN not in self._vocab:
-            raise ValueError(f"--vocab-file {vocab_file} has no {EOD_TOKEN!r} entry, which GPT-2 vocabularies use as end of document")
         self._eod = self._vocab[EOD_TOKEN]
         self._batch = getattr(self._tok, "encode_batch_fast", self._tok.encode_batch)
 

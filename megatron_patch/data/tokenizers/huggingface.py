@@ -4,7 +4,7 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Sequence
 
-from .base import NO_TOKEN, AbstractTokenizer
+from .base import NO_TOKEN, AbstractTokenizer, TokenizerError
 
 
 class HuggingFaceTokenizer(AbstractTokenizer):
@@ -13,13 +13,20 @@ class HuggingFaceTokenizer(AbstractTokenizer):
     def __init__(self, tokenizer_model: str) -> None:
         self.source = {"tokenizer_model": tokenizer_model}
         if not tokenizer_model or not os.path.isdir(tokenizer_model):
-            raise ValueError(
+            raise TokenizerError(
                 f"HuggingFaceTokenizer needs --tokenizer-model DIR, a local directory saved with "
                 f"save_pretrained() (got {tokenizer_model!r}); nothing is downloaded from a hub"
             )
         from transformers import AutoTokenizer
 
-        self._tok = AutoTokenizer.from_pretrained(tokenizer_model, local_files_only=True)
+        try:
+            self._tok = AutoTokenizer.from_pretrained(tokenizer_model, local_files_only=True)
+        except Exception as e:  # transformers raises OSError, ValueError, KeyError... naming neither flag nor fix
+            reason = " ".join(str(e).split())[:300] or type(e).__name__  # some messages span many lines
+            raise TokenizerError(
+                f"--tokenizer-model {tokenizer_model}: no Hugging Face tokenizer could be loaded from this directory "
+                f"({reason}); it must hold the files save_pretrained() writes (tokenizer.json and tokenizer_config.json)"
+            ) from e
         self._vocab = self._tok.get_vocab()
 
     def tokenize(self, text: str) -> List[int]:

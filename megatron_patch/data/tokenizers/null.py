@@ -1,9 +1,9 @@
-"""NullTokenizer: the text is already ids separated by spaces (tests and mock data)."""
+"""NullTokenizer: the text is already token ids separated by whitespace, as for Megatron-LM's NullTokenizer."""
 from __future__ import annotations
 
 from typing import Dict, List, Sequence
 
-from .base import AbstractTokenizer
+from .base import AbstractTokenizer, TokenizerError
 
 
 class NullTokenizer(AbstractTokenizer):
@@ -11,14 +11,23 @@ class NullTokenizer(AbstractTokenizer):
 
     def __init__(self, vocab_size: int) -> None:
         if not vocab_size or vocab_size <= 0:
-            raise ValueError("NullTokenizer needs --vocab-size N (the largest id in the data plus one)")
+            raise TokenizerError("NullTokenizer needs --vocab-size N (the largest id in the data plus one)")
         self._n = int(vocab_size)
 
     def tokenize(self, text: str) -> List[int]:
-        ids = [int(x) for x in text.split()]
-        bad = [i for i in ids if not 0 <= i < self._n]
-        if bad:
-            raise ValueError(f"NullTokenizer: id {bad[0]} is outside [0, {self._n}); raise --vocab-size")
+        pieces = text.split()
+        try:
+            ids = [int(x) for x in pieces]
+        except ValueError:
+            # Name the first piece that is not an id: ordinary text here means the wrong --tokenizer-type.
+            bad = next(x for x in pieces if not _is_int(x))
+            raise TokenizerError(
+                f"NullTokenizer reads text that is already token ids separated by whitespace (e.g. '17 4 902'), "
+                f"but found {bad[:40]!r}; for ordinary text choose a real --tokenizer-type (e.g. GPT2BPETokenizer)"
+            ) from None
+        bad_ids = [i for i in ids if not 0 <= i < self._n]
+        if bad_ids:
+            raise TokenizerError(f"NullTokenizer: id {bad_ids[0]} is outside [0, {self._n}); raise --vocab-size")
         return ids
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -36,3 +45,11 @@ class NullTokenizer(AbstractTokenizer):
     @property
     def eod(self) -> int:
         return self._n
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True

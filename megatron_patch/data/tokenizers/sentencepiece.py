@@ -1,10 +1,11 @@
 """SentencePiece model file (.model), run by Google's `sentencepiece` library (the reference)."""
 from __future__ import annotations
 
-import os
 from typing import Dict, List, Sequence
 
-from .base import NO_TOKEN, AbstractTokenizer
+from .base import NO_TOKEN, AbstractTokenizer, TokenizerError, require_file
+
+MODEL_WHAT = "a SentencePiece .model file (written by spm_train or tools/train_tokenizer.py)"
 
 
 class SentencePieceTokenizer(AbstractTokenizer):
@@ -14,11 +15,14 @@ class SentencePieceTokenizer(AbstractTokenizer):
         self.source = {"tokenizer_model": tokenizer_model}
         import sentencepiece as spm
 
-        if not tokenizer_model:
-            raise ValueError("SentencePieceTokenizer needs --tokenizer-model PATH to a .model file")
-        if not os.path.isfile(tokenizer_model):
-            raise FileNotFoundError(f"--tokenizer-model {tokenizer_model}: no such file")
-        self._sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
+        require_file(tokenizer_model, "--tokenizer-model", self.name, MODEL_WHAT)
+        try:
+            self._sp = spm.SentencePieceProcessor(model_file=tokenizer_model)
+        except (RuntimeError, OSError) as e:  # sentencepiece's message names neither the flag nor the fix
+            raise TokenizerError(
+                f"--tokenizer-model {tokenizer_model}: not a SentencePiece model ({e}); pass {MODEL_WHAT}. "
+                f"A Hugging Face tokenizer directory needs --tokenizer-type HuggingFaceTokenizer."
+            ) from None
         self._vocab = {self._sp.id_to_piece(i): i for i in range(self._sp.get_piece_size())}
 
     def tokenize(self, text: str) -> List[int]:

@@ -1,0 +1,161 @@
+"""`Checkpointer`: when to save, how to save and load, and which checkpoint to resume from."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import pickle
+import re
+import shutil
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+
+from megatron_patch.compat import apply_safe_loading, safe_loading
+from megatron_patch.config import Config
+
+from . import directory, fsdp_dtensor, torch_dist
+from .directory import CheckpointError, checkpoint_dir
+
+BACKENDS = {torch_dist.FORMAT: torch_dist, fsdp_dtensor.FORMAT: fsdp_dtensor}
+
+
+@dataclass
+class TrainState:
+    """Where training stands: what a checkpoint records besides the model, optimizer and RNG."""
+    iteration: int = 0
+    consumed_samples: int = 0  # training samples, over all data-parallel ranks
+    consumed_valid_samples: int = 0  # validation samples, so evaluation walks on through the set
+
+
+def layout(cfg: Config) -> Dict[str, int]:
+    zero = 2 if cfg.zero_2_memory_optimization else 1 if cfg.zero_1_memory_optimization else 0
+    return {"tp": cfg.tensor_model_parallel_size, "pp": cfg.pipeline_model_parallel_size,
+            "dp": cfg.data_parallel_size, "vpp": cfg.virtual_pipeline_model_parallel_size or 1, "zero": zero}
+
+
+def _versions() -> Dict[str, str]:
+    import megatron.core
+
+    import megatron_patch
+
+    return {"torch": torch.__version__, "megatron_core": getattr(megatron.core, "__version__", "?"),
+            "megatron_patch": getattr(megatron_patch, "__version__", "?")}
+
+
+def _refused_unpickling(e: BaseException) -> Optional[str]:
+    """The first line of an unpickling refusal in `e`, or inside DCP's per-rank CheckpointException."""
+    causes = [e] if isinstance(e, pickle.UnpicklingError) else [exc for exc, _ in getattr(e, "failures", {}).values()]
+    for cause in causes:
+        if isinstance(cause, pickle.UnpicklingError):
+            found = re.search(r"GLOBAL (\S+) was not an allowed global", str(cause))  # torch's weights_only refusal
+            return f"refused to unpickle {found.group(1)}." if found else str(cause).splitlines()[0]
+    return None
+
+
+def _print0(msg: str) -> None:
+    if dist.get_rank() == 0:
+        print(msg, flush=True)
+
+
+class Checkpointer:
+    """Saves and loads the whole training state under --save / --load.
+
+    `should_save(iteration)` says when (every --save-interval, and when training stops); `save(state)`
+    writes a checkpoint (collective) and prunes to --keep-last-n; `load()` resumes from --load. The
+    backend follows the run: megatron-core dist_checkpointing (ZeRO-0/1) or Megatron-FSDP's DTensors
+    (ZeRO-2). Each checkpoint stores the run's configuration (model arguments included) in its
+    checkpoint.json. `--save` is checked writable and `--load` checked to exist by Config.validate, before launch.
+    """
+
+    def __init__(self, cfg: Config, model: List, optimizer, scheduler, model_info: Optional[Dict] = None) -> None:
+        self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
+        self.model_info = model_info or {}
+        apply_safe_loading()
+        self.format = fsdp_dtensor.FORMAT if cfg.zero_2_memory_optimization else torch_dist.FORMAT
+        self.backend = BACKENDS[self.format]
+        self.last_saved: Optional[int] = None
+
+    def should_save(self, iteration: int, stopping: bool = False) -> bool:
+        """True at every --save-interval, and when training stops (unless that iteration is saved already)."""
+        if not self.cfg.save or iteration == self.last_saved:
+            return False
+        return stopping or bool(self.cfg.save_interval and iteration % self.cfg.save_interval == 0)
+
+    def save(self, state: TrainState) -> str:
+        """Write checkpoint `state.iteration` under --save; collective (every rank calls it)."""
+        root = self.cfg.save
+        final = checkpoint_dir(root, state.iteration)
+        tmp = final + ".tmp"
+        if dist.get_rank() == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+            os.makedirs(tmp)
+        dist.barrier()
+        self.backend.save(tmp, self.model, self.optimizer)
+        dist.barrier()
+        if dist.get_rank() == 0:
+            directory.write_manifest(tmp, {
+                **dataclasses.asdict(state), "format": self.format, "layout": layout(self.cfg),
+                "scheduler": self.scheduler.state_dict(), "config": dataclasses.asdict(self.cfg),
+                "model": self.model_info, "versions": _versions()})
+            old = final + ".old"
+            if os.path.exists(final):  # saving an iteration again (a resumed run): keep the old until the new is in
+                os.replace(final, old)
+            os.replace(tmp, final)
+            directory.write_tracker(root, state.iteration)  # last: only a complete checkpoint is ever named
+            shutil.rmtree(old, ignore_errors=True)
+            if self.cfg.keep_last_n:
+                directory.prune(root, self.cfg.keep_last_n)
+        dist.barrier()
+        self.last_saved = state.iteration
+        _print0(f"saved checkpoint {final}")
+        return final
+
+    def load(self) -> Optional[TrainState]:
+        """Restore the newest complete checkpoint under --load; None when the directory holds none."""
+        root = self.cfg.load
+        iteration, warnings = directory.select_checkpoint(root)
+        for w in warnings:
+            _print0(w)
+        if iteration is None:
+            _print0(f"no checkpoint in --load {root} (no {directory.TRACKER}, no iter_* directory): starting from scratch")
+            return None
+        path = checkpoint_dir(root, iteration)
+        manifest = directory.read_manifest(path)
+        saved, mine = manifest["layout"], layout(self.cfg)
+        if manifest["format"] != self.format:
+            wanted = "--zero-2-memory-optimization" if manifest["format"] == fsdp_dtensor.FORMAT else \
+                "ZeRO-0 or --zero-1-memory-optimization"
+            raise CheckpointError(f"{path} was written by a {'ZeRO-2' if saved['zero'] == 2 else 'ZeRO-0/1'} run "
+                                  f"({manifest['format']} format); resume it with {wanted}")
+        if self.format == fsdp_dtensor.FORMAT and saved != mine:
+            raise CheckpointError(f"{path} is a ZeRO-2 checkpoint of layout {saved}; it loads only into the same "
+                                  f"layout (this run: {mine}). Resume with the same TP/PP/DP and ZeRO-2.")
+        same_model_layout = all(saved[k] == mine[k] for k in ("tp", "pp", "vpp"))
+        # The distributed optimizer's shards follow DP size changes only; without ZeRO they follow the model.
+        optimizer_fits = saved["zero"] == mine["zero"] and (same_model_layout or mine["zero"] == 0)
+        load_optimizer = not self.cfg.no_load_optim and optimizer_fits
+        try:
+            safe_loading.check_metadata(path)  # DCP itself would swallow the refusal into "metadata is None"
+            self.backend.load(path, self.model, self.optimizer, load_optimizer=load_optimizer, load_rng=same_model_layout)
+        except (pickle.UnpicklingError, CheckpointException) as e:
+            refused = _refused_unpickling(e)  # raised by the safe-loading patches (megatron_patch.compat.safe_loading)
+            if refused is None:
+                raise
+            raise CheckpointError(f"{path}: {refused} Loading a checkpoint never runs code that it contains; this one "
+                                  f"was not written by megatron_patch or has been tampered with.") from None
+        if load_optimizer:
+            self.scheduler.load_state_dict(manifest["scheduler"])
+        notes = []
+        if saved != mine:
+            notes.append(f"layout {saved} -> {mine}")
+        if not same_model_layout:
+            notes.append("weights resharded, RNG streams start fresh (they depend on TP/PP)")
+        if not optimizer_fits and not self.cfg.no_load_optim:
+            notes.append("the optimizer state does not fit this layout (ZeRO-1 state moves between DP sizes only, "
+                         "and not between ZeRO stages): optimizer and lr schedule start fresh")
+        _print0(f"loaded checkpoint {path} (iteration {iteration})" + ("; " + "; ".join(notes) if notes else ""))
+        self.last_saved = iteration if root == self.cfg.save else None
+        return TrainState(manifest["iteration"], manifest["consumed_samples"], manifest.get("consumed_valid_samples", 0))

@@ -1,0 +1,60 @@
+"""Backend for ZeRO-0/1 runs: megatron-core's dist_checkpointing in its torch_dist format.
+
+Model weights are ShardedTensors with global shapes, so they load into any TP/PP/VPP layout. The
+optimizer state follows the model without ZeRO, and moves between data-parallel sizes with ZeRO-1
+(the distributed optimizer's `dp_reshardable` format). The RNG state is one shard per (PP, TP) rank.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+from megatron.core import dist_checkpointing
+
+from megatron_patch.compat.adam_state import fill_empty_adam_state, restore_adam_step
+
+from . import rng
+
+FORMAT = "torch_dist"
+OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+
+
+def _unwrap(m):
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+def _model_state(model: List) -> Dict:
+    if len(model) == 1:
+        return {"model": _unwrap(model[0]).sharded_state_dict()}
+    return {f"model{i}": _unwrap(m).sharded_state_dict() for i, m in enumerate(model)}
+
+
+def save(path: str, model: List, optimizer) -> None:
+    """Write this rank's part of the checkpoint into `path` (collective)."""
+    state = _model_state(model)
+    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=OPT_METADATA)
+    state["rng_state"] = rng.sharded(rng.capture())
+    dist_checkpointing.save(state, path)
+
+
+def load(path: str, model: List, optimizer, load_optimizer: bool, load_rng: bool) -> None:
+    """Read weights (resharded to this layout), optionally the optimizer state and the RNG streams."""
+    state = _model_state(model)
+    if load_optimizer:
+        fill_empty_adam_state(optimizer)  # megatron-core builds the dict it loads into from this state
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=OPT_METADATA)
+    if load_rng:
+        state["rng_state"] = rng.sharded(None)
+    loaded = dist_checkpointing.load(state, path)
+    for i, m in enumerate(model):
+        _unwrap(m).load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
+    if load_optimizer:
+        with torch.no_grad():
+            optimizer.load_state_dict(loaded["optimizer"])
+        restore_adam_step(optimizer, loaded["optimizer"])
+    elif hasattr(optimizer, "reload_model_params"):
+        optimizer.reload_model_params()  # the fp32 main copies must follow the loaded weights
+    if load_rng:
+        rng.restore(loaded["rng_state"])

@@ -1,0 +1,82 @@
+"""What a run tells its user: one log line per --log-interval, TensorBoard scalars, one JSON line per
+record in --metrics-file, and a progress bar when stderr is a terminal."""
+from __future__ import annotations
+
+import json
+import math
+import sys
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+from megatron_patch.config import Config
+from megatron_patch.parallel import print_rank_0
+
+from .metrics import flops_per_token, peak_tflops
+
+
+class Reporter:
+    """Owns the run's outputs; `train()` hands it each iteration's metrics."""
+
+    def __init__(self, cfg: Config, num_params: int, start_iteration: int) -> None:
+        self.cfg, self.num_params = cfg, num_params
+        self.writer = None
+        if cfg.tensorboard_dir and dist.get_rank() == dist.get_world_size() - 1:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(cfg.tensorboard_dir)
+        self.bar = None
+        if dist.get_rank() == 0 and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=cfg.train_iters, initial=start_iteration, desc="training", unit="it", leave=False)
+
+    def record(self, metrics: Dict[str, float]) -> None:
+        """One JSON line in --metrics-file (rank 0)."""
+        if self.cfg.metrics_file and dist.get_rank() == 0:
+            with open(self.cfg.metrics_file, "a") as f:
+                f.write(json.dumps(metrics) + "\n")
+
+    def step(self, metrics: Dict[str, float]) -> None:
+        self.record(metrics)
+        if self.bar:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{metrics['loss']:.3f}")
+
+    def log(self, metrics: Dict[str, float], seconds: float, iters: int) -> None:
+        """The --log-interval line: averages over the `iters` iterations that took `seconds`."""
+        cfg, it = self.cfg, metrics["iteration"]
+        tps = cfg.global_batch_size * cfg.seq_length * iters / seconds
+        tflops = tps * flops_per_token(self.num_params, cfg.num_layers, cfg.hidden_size, cfg.seq_length) / 1e12
+        per_gpu = tflops / dist.get_world_size()
+        peak = peak_tflops()
+        mem = f" | mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if torch.cuda.is_available() else ""
+        mfu = f" | MFU {100 * per_gpu / peak:.1f}%" if peak else ""
+        line = (f"iteration {it:>6}/{cfg.train_iters} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.3e} | "
+                f"grad norm {metrics['grad_norm']:.3f} | loss scale {metrics['loss_scale']:g} | "
+                f"{1000 * seconds / iters:.0f} ms/iter | tokens/s {tps:,.0f} | TFLOP/s/GPU {per_gpu:.1f}{mfu}{mem}")
+        if metrics["skipped"]:
+            line += " | step skipped (inf/nan grads, loss scale lowered)"
+        print_rank_0(line)
+        if self.writer:
+            for k, v in (("lm loss", metrics["loss"]), ("learning-rate", metrics["lr"]), ("grad-norm", metrics["grad_norm"]),
+                         ("loss-scale", metrics["loss_scale"]), ("tokens-per-sec", tps), ("tflops-per-gpu", per_gpu)):
+                self.writer.add_scalar(k, v, it)
+
+    def validation(self, iteration: int, loss: float, test_loss: Optional[float] = None) -> None:
+        record = {"iteration": iteration, "valid_loss": loss}
+        text = f"validation at iteration {iteration} | lm loss {loss:.6f} | ppl {math.exp(min(loss, 50)):.2f}"
+        if test_loss is not None:
+            record["test_loss"] = test_loss
+            text += f" | test lm loss {test_loss:.6f}"
+        self.record(record)
+        print_rank_0(text)
+        if self.writer:
+            self.writer.add_scalar("validation lm loss", loss, iteration)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+        if self.writer:
+            self.writer.flush()
