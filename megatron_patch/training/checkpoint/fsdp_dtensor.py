@@ -21,19 +21,14 @@ from megatron_patch.compat.megatron_fsdp import (
 )
 
 from . import rng
+from .torch_dist import unwrap
 
 FORMAT = "fsdp_dtensor"
 OPT_METADATA = {"distrib_optim_sharding_type": "fsdp_dtensor"}
 
 
-def _unwrap(m):
-    while hasattr(m, "module"):
-        m = m.module
-    return m
-
-
 def _global_layer_names(chunk) -> Callable[[str], str]:
-    layers = _unwrap(chunk).decoder.layers
+    layers = unwrap(chunk).decoder.layers
     offsets = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
     pattern = re.compile(r"decoder\.layers\.(\d+)\.")
     return lambda name: pattern.sub(lambda m: f"decoder.layers.{offsets[int(m.group(1))]}.", name, count=1)
@@ -50,7 +45,7 @@ def _state(model: List, optimizer, is_loading: bool) -> Dict:
     fill_empty_adam_state(optimizer)  # ranks with an empty shard must still describe the same keys
     rename = _global_layer_names(model[0])
     opt = optimizer.sharded_state_dict({}, is_loading=is_loading, metadata=OPT_METADATA)
-    state = {"model": {rename(k): v for k, v in _unwrap(model[0]).state_dict().items()},
+    state = {"model": {rename(k): v for k, v in unwrap(model[0]).state_dict().items()},
              "optimizer": _rename_param_keys(opt, rename)}
     return prepare_uneven_dtensor_state(state)
 
@@ -72,8 +67,8 @@ def load(path: str, model: List, optimizer, load_optimizer: bool, load_rng: bool
         del state["optimizer"]
     dcp.load(state, checkpoint_id=path)
     rename = _global_layer_names(model[0])
-    local = {rename(n): n for n in [*_unwrap(model[0]).state_dict(), *(n for n, _ in model[0].named_parameters())]}
-    _unwrap(model[0]).load_state_dict({local[k]: v for k, v in state["model"].items()})
+    local = {rename(n): n for n in [*unwrap(model[0]).state_dict(), *(n for n, _ in model[0].named_parameters())]}
+    unwrap(model[0]).load_state_dict({local[k]: v for k, v in state["model"].items()})
     # The module's parameters are the fp32 main-weight shards; with bf16 the compute weights are a
     # separate copy that only an optimizer step refreshes: refresh it now, and gather it across DP.
     copy_main_to_model_params(optimizer)

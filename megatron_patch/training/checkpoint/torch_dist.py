@@ -19,7 +19,8 @@ FORMAT = "torch_dist"
 OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
 
 
-def _unwrap(m):
+def unwrap(m):
+    """The model chunk inside its wrappers (Float16Module, DDP, Megatron-FSDP)."""
     while hasattr(m, "module"):
         m = m.module
     return m
@@ -27,8 +28,8 @@ def _unwrap(m):
 
 def _model_state(model: List) -> Dict:
     if len(model) == 1:
-        return {"model": _unwrap(model[0]).sharded_state_dict()}
-    return {f"model{i}": _unwrap(m).sharded_state_dict() for i, m in enumerate(model)}
+        return {"model": unwrap(model[0]).sharded_state_dict()}
+    return {f"model{i}": unwrap(m).sharded_state_dict() for i, m in enumerate(model)}
 
 
 def save(path: str, model: List, optimizer) -> None:
@@ -49,7 +50,7 @@ def load(path: str, model: List, optimizer, load_optimizer: bool, load_rng: bool
         state["rng_state"] = rng.sharded(None)
     loaded = dist_checkpointing.load(state, path)
     for i, m in enumerate(model):
-        _unwrap(m).load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
+        unwrap(m).load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"])
     if load_optimizer:
         with torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
