@@ -3,6 +3,7 @@
 # standard library), a GPT-2 style BPE tokenizer trained on it, and its Megatron .bin/.idx files.
 # Each step is skipped when its output exists. Prints the --data-path prefix on the last line.
 #   DEMO_DIR (default data/demo)   VOCAB_SIZE (default 8000)
+#   HF_TOKENIZER: a Hugging Face model directory; the corpus is then tokenized with its tokenizer instead
 #   PY (default: the repository's .venv if present, else python3; see resolve_python.sh)
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -15,6 +16,17 @@ cd "$ROOT"
 if [ ! -f "$DEMO_DIR/corpus.jsonl" ]; then
   echo "[1/3] building the demo corpus (stdlib docstrings) -> $DEMO_DIR/corpus.jsonl" >&2
   "$PY" -m megatron_patch.data.demo_corpus --output "$DEMO_DIR/corpus.jsonl" >&2
+fi
+if [ -n "${HF_TOKENIZER:-}" ]; then
+  PREFIX="$DEMO_DIR/hf_$(basename "$HF_TOKENIZER")"
+  if [ ! -f "${PREFIX}_text_document.idx" ]; then
+    echo "[2/2] tokenizing with $HF_TOKENIZER's tokenizer into Megatron .bin/.idx -> ${PREFIX}_text_document" >&2
+    "$PY" tools/preprocess_data.py --input "$DEMO_DIR/corpus.jsonl" --output-prefix "$PREFIX" --dataset-impl mmap \
+      --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$HF_TOKENIZER" --append-eod --workers 2 \
+      --log-interval 2000 >&2
+  fi
+  echo "${PREFIX}_text_document"
+  exit 0
 fi
 if [ ! -f "$DEMO_DIR/gpt2-merges.txt" ]; then
   echo "[2/3] training a GPT-2 BPE tokenizer (vocab $VOCAB_SIZE) -> $DEMO_DIR/gpt2-vocab.json, gpt2-merges.txt" >&2

@@ -43,6 +43,7 @@ fi
 
 MODEL_FAMILY=${MODEL_FAMILY:-gpt}        # gpt | llama | qwen2 | mistral
 MODEL_SIZE=${MODEL_SIZE:-tiny}           # tiny | 125m | 350m | 1.3b | ... (see --help)
+HF_MODEL=${HF_MODEL:-}                   # a Hugging Face model directory to start from (instead of MODEL_FAMILY/SIZE)
 GPUS=${GPUS:-$DEFAULT_GPUS}              # processes per node (one per GPU; CPU processes without GPUs)
 NNODES=${NNODES:-1}
 NODE_RANK=${NODE_RANK:-0}
@@ -61,12 +62,16 @@ WARMUP=${WARMUP:-}                       # iterations; default: 1/15 of the fina
 WARMUP_FRACTION=0.0667
 LOG_INTERVAL=${LOG_INTERVAL:-20}
 EVAL_INTERVAL=${EVAL_INTERVAL:-100}
-OUTPUT=${OUTPUT:-$ROOT/work_dirs/${MODEL_FAMILY}_${MODEL_SIZE}}
+OUTPUT=${OUTPUT:-$ROOT/work_dirs/$([ -n "$HF_MODEL" ] && basename "$HF_MODEL" || echo "${MODEL_FAMILY}_${MODEL_SIZE}")}
 SAVE=${SAVE:-$OUTPUT/checkpoints}
 SAVE_INTERVAL=${SAVE_INTERVAL:-}         # default: one checkpoint, when training ends
 
-ARGS=(--model-family "$MODEL_FAMILY" --model-size "$MODEL_SIZE"
-      --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
+if [ -n "${HF_MODEL:-}" ]; then  # a Hugging Face model: architecture and weights from it
+  ARGS=(--load-hf "$HF_MODEL")
+else
+  ARGS=(--model-family "$MODEL_FAMILY" --model-size "$MODEL_SIZE")
+fi
+ARGS+=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
       --seq-length "$SEQ_LEN" --micro-batch-size "$MBS" --train-iters "$TRAIN_ITERS"
       --lr "$LR" --min-lr "$MIN_LR" --lr-decay-style cosine
       --weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95 --split 969,30,1
@@ -101,6 +106,10 @@ if [ -n "${DATA_PATH:-}" ]; then
   read -r -a DATA_ARGS <<< "$DATA_PATH"
   read -r -a TOKENIZER_ARGS <<< "${TOKENIZER_ARGS:-}"
   ARGS+=(--data-path "${DATA_ARGS[@]}" "${TOKENIZER_ARGS[@]}")
+elif [ -n "${HF_MODEL:-}" ] && ! given --data-path --mock-data; then
+  # The demo corpus tokenized with the model's own tokenizer (its ids must fit the model's vocabulary).
+  DATA_PATH=$(HF_TOKENIZER=$HF_MODEL bash "$ROOT/pretrain_scripts/prepare_demo_data.sh" | tail -n 1)
+  ARGS+=(--data-path "$DATA_PATH" --tokenizer-type HuggingFaceTokenizer --tokenizer-model "$HF_MODEL")
 elif ! given --data-path --mock-data; then
   DATA_PATH=$(bash "$ROOT/pretrain_scripts/prepare_demo_data.sh" | tail -n 1)
   DEMO_DIR=$(dirname "$DATA_PATH")

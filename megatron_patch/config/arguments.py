@@ -6,6 +6,7 @@ import dataclasses
 from typing import List, Optional
 
 from .config import Config, ConfigError
+from . import model_source
 from .presets import FAMILIES, SIZES, preset
 
 _D = Config()  # defaults shown in --help
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model-family", choices=list(FAMILIES), help="architecture preset: gpt (GPT-2), llama, qwen2, mistral")
     g.add_argument("--model-size", help="size preset of the family: " + "; ".join(f"{f}: {', '.join(s)}" for f, s in SIZES.items()))
     for name, typ in [("num-layers", int), ("hidden-size", int), ("num-attention-heads", int), ("num-query-groups", int),
-                      ("ffn-hidden-size", int), ("seq-length", int), ("max-position-embeddings", int), ("rotary-base", int),
+                      ("ffn-hidden-size", int), ("kv-channels", int), ("seq-length", int), ("max-position-embeddings", int), ("rotary-base", int),
                       ("norm-epsilon", float), ("hidden-dropout", float), ("attention-dropout", float),
                       ("init-method-std", float), ("make-vocab-size-divisible-by", int), ("vocab-size", int)]:
         g.add_argument(f"--{name}", type=typ, help=f"(default {getattr(_D, name.replace('-', '_'))})")
@@ -41,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--init-layout-invariant", action="store_true",
                    help="seed every weight from its global name so any TP/PP layout starts from identical weights "
                         "(slower start-up; used by the parallel tests)")
-    for name in ("swiglu", "untie-embeddings-and-output-weights", "disable-bias-linear", "add-qkv-bias"):
+    for name in ("swiglu", "openai-gelu", "untie-embeddings-and-output-weights", "disable-bias-linear", "add-qkv-bias"):
         g.add_argument(f"--{name}", action="store_true")
 
     g = p.add_argument_group("data")
@@ -69,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--optimizers", choices=["apex_adam", "apex_lamb"], help="fused Adam (default) or LAMB")
     g.add_argument("--save")
     g.add_argument("--load")
+    g.add_argument("--load-hf", metavar="DIR",
+                   help="start from a Hugging Face model directory (config.json + safetensors; GPT-2, Llama, Qwen2, "
+                        "Mistral): architecture from its config, weights loaded into any TP/PP layout")
     g.add_argument("--tensorboard-dir")
     g.add_argument("--no-exit-on-nan", dest="exit_on_nan", action="store_false", help="keep going after a NaN/Inf loss")
     g.add_argument("--metrics-file", help="append one JSON line of metrics per iteration to this file (rank 0)")
@@ -115,5 +119,14 @@ def parse_args(argv: Optional[List[str]] = None) -> Config:
         except ValueError as e:
             raise ConfigError(str(e)) from None
     values.update(given)
+    if given.get("load_hf"):  # the architecture of the Hugging Face model (and its dropout, unless given)
+        model_source.merge(values, given, model_source.from_hf(given["load_hf"]), f"--load-hf {given['load_hf']}/config.json",
+                           apply_other=True)
+    elif given.get("load"):  # resuming: the architecture stored with the checkpoint
+        stored = model_source.from_checkpoint(given["load"])
+        if stored:
+            model_source.merge(values, given, stored, f"the checkpoint in --load {given['load']}")
+    if values.get("mock_data") and "vocab_size" not in given and values.get("model_vocab_size"):
+        values["vocab_size"] = values["model_vocab_size"]  # random tokens over the model's whole vocabulary
     known = {f.name for f in dataclasses.fields(Config)}
     return Config(**{k: v for k, v in values.items() if k in known})

@@ -24,6 +24,8 @@ class Config:
     position_embedding_type: str = "learned_absolute"
     rotary_base: int = 10000
     swiglu: bool = False
+    openai_gelu: bool = False  # tanh-approximated GELU (GPT-2's gelu_new) instead of the exact one
+    kv_channels: Optional[int] = None  # attention head dimension; default hidden_size / num_attention_heads
     normalization: str = "LayerNorm"
     norm_epsilon: float = 1e-5
     untie_embeddings_and_output_weights: bool = False
@@ -34,6 +36,11 @@ class Config:
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     vocab_size: Optional[int] = None  # NullTokenizer / mock data only
+    # Rows of the embedding before padding: by default the tokenizer's vocabulary; a Hugging Face model's
+    # config.json may say more (Qwen2), and --load-hf / a converted checkpoint sets it.
+    model_vocab_size: Optional[int] = None
+    # Rows of the embedding after padding, when a checkpoint fixes them (else derived, see models.gpt)
+    padded_vocab_size: Optional[int] = None
     attention_backend: str = "auto"  # auto (te if importable, else sdpa) | sdpa | local | te
     init_layout_invariant: bool = False
 
@@ -82,6 +89,7 @@ class Config:
     no_load_optim: bool = False
     keep_last_n: Optional[int] = None
     compile: bool = False
+    load_hf: Optional[str] = None  # a Hugging Face model directory: architecture and weights come from it
     validate_only: bool = False  # check config and data for WORLD_SIZE processes, then exit
 
     # ---- parallelism and switches

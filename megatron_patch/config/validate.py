@@ -52,8 +52,11 @@ def validate(c: Config, world_size: int) -> None:
     if groups % tp:
         _fail(f"--num-query-groups {groups} is not divisible by --tensor-model-parallel-size {tp}; "
               f"lower TP or use more query groups")
-    if c.hidden_size % c.num_attention_heads:
+    if c.kv_channels is None and c.hidden_size % c.num_attention_heads:
         _fail(f"--hidden-size {c.hidden_size} is not divisible by --num-attention-heads {c.num_attention_heads}")
+    if c.padded_vocab_size is not None and c.padded_vocab_size % tp:
+        _fail(f"the checkpoint's embedding has {c.padded_vocab_size} rows (padded vocabulary), which "
+              f"--tensor-model-parallel-size {tp} does not divide; choose a TP size that divides it")
     if c.num_layers % pp:
         _fail(f"--num-layers {c.num_layers} is not divisible by --pipeline-model-parallel-size {pp}; "
               f"each pipeline stage needs the same number of layers")

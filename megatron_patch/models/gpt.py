@@ -2,11 +2,13 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -24,6 +26,8 @@ def padded_vocab_size(vocab_size: int, cfg: Config) -> int:
     Megatron-LM multiplies the two, so its padded size changes with TP; the lcm keeps one padded size
     for every TP that divides the multiple, so checkpoints move between TP layouts unchanged.
     """
+    if cfg.padded_vocab_size is not None:  # fixed by the checkpoint being loaded
+        return cfg.padded_vocab_size
     multiple = math.lcm(cfg.make_vocab_size_divisible_by, cfg.tensor_model_parallel_size)
     return -(-vocab_size // multiple) * multiple
 
@@ -57,7 +61,8 @@ def build_transformer_config(cfg: Config) -> TransformerConfig:
         normalization=cfg.normalization,
         layernorm_epsilon=cfg.norm_epsilon,
         gated_linear_unit=cfg.swiglu,
-        activation_func=F.silu if cfg.swiglu else F.gelu,
+        activation_func=F.silu if cfg.swiglu else partial(F.gelu, approximate="tanh") if cfg.openai_gelu else F.gelu,
+        kv_channels=cfg.kv_channels,
         add_bias_linear=not cfg.disable_bias_linear,
         add_qkv_bias=cfg.add_qkv_bias or not cfg.disable_bias_linear,
         hidden_dropout=cfg.hidden_dropout,
@@ -105,6 +110,27 @@ def layer_spec(cfg: Config) -> ModuleSpec:
     return spec
 
 
+class GPTModelWithVocab(GPTModel):
+    """megatron-core's GPTModel whose loss ignores the padding of the vocabulary.
+
+    The embedding and output layer have `padded_vocab_size` rows (a multiple of what TP needs), but only the
+    first `vocab_size` are tokens. Megatron-LM lets the padding rows into the softmax, so its loss depends
+    on the padded size; here their logits are -inf before the cross entropy, so the loss is the model's
+    over its real vocabulary: it equals Hugging Face's for a converted model, whatever the TP size."""
+
+    def __init__(self, *args, true_vocab_size: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.true_vocab_size = true_vocab_size
+
+    def compute_language_model_loss(self, labels, logits):
+        local = logits.size(-1)  # this TP rank's slice of the padded vocabulary
+        first = mpu.get_tensor_model_parallel_rank() * local
+        cut = min(max(self.true_vocab_size - first, 0), local)
+        if cut < local:
+            logits[..., cut:] = float("-inf")  # not saved for backward by the output layer: safe in place
+        return super().compute_language_model_loss(labels, logits)
+
+
 def build_gpt_model(cfg: Config, vocab_size: int, pre_process: bool = True, post_process: bool = True,
                     vp_stage: Optional[int] = None) -> GPTModel:
     """One pipeline stage (or virtual stage `vp_stage`) of the model, on this rank's device."""
@@ -113,8 +139,9 @@ def build_gpt_model(cfg: Config, vocab_size: int, pre_process: bool = True, post
     if resolve_attention_backend(cfg) != "te":  # our norms for the final layer norm too
         spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
                                           layer_norm=SequenceParallelNorm)
-    model = GPTModel(
+    model = GPTModelWithVocab(
         config=config,
+        true_vocab_size=vocab_size,
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(vocab_size, cfg),
         max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,

@@ -19,7 +19,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from megatron_patch.config import Config
+from megatron_patch.config import Config, ConfigError
 from megatron_patch.models import build_gpt_model, padded_vocab_size
 from megatron_patch.models.init import layout_invariant_init
 from megatron_patch.parallel import initialize, print_rank_0
@@ -36,6 +36,26 @@ class TrainingDiverged(RuntimeError):
     """Raised when the loss becomes NaN/Inf (with --exit-on-nan, the default)."""
 
 
+def model_vocab_size(cfg: Config, tokenizer) -> int:
+    """Rows of the embedding before padding: --load-hf's config.json vocab_size, else the tokenizer's."""
+    if cfg.model_vocab_size is None:
+        return tokenizer.vocab_size
+    if tokenizer.vocab_size > cfg.model_vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {cfg.model_vocab_size} "
+                          f"(vocab_size of --load-hf's config.json or of the checkpoint): use the model's tokenizer")
+    return cfg.model_vocab_size
+
+
+def model_info(cfg: Config, vocab: int) -> Dict:
+    """What a checkpoint records about the model besides its configuration (conversion reads it)."""
+    info = {"vocab_size": vocab, "padded_vocab_size": padded_vocab_size(vocab, cfg)}
+    if cfg.load_hf:
+        from megatron_patch.conversion.hf_io import read_hf_config
+
+        info["hf_config"] = read_hf_config(cfg.load_hf)
+    return info
+
+
 def build_model(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
     """Model chunks of this rank, wrapped for mixed precision and megatron-core DDP."""
     vpp = cfg.virtual_pipeline_model_parallel_size
@@ -50,10 +70,16 @@ def build_model(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
         )
         if cfg.init_layout_invariant:
             layout_invariant_init(chunk, cfg.seed, cfg.init_method_std, cfg.swiglu)
-        if cfg.compile:
+        chunks.append(chunk)
+    if cfg.load_hf:  # before the wrappers: fp16/bf16 copies, DDP buffers and FSDP shards start from these weights
+        from megatron_patch.conversion.load_hf import load_hf_weights
+
+        loaded = load_hf_weights(chunks, cfg, cfg.load_hf)
+        print_rank_0(f"loaded {loaded['tensors']} Hugging Face tensors from --load-hf {cfg.load_hf}")
+    if cfg.compile:
+        for chunk in chunks:
             # Compile the forward only, so the module (its parameters, state-dict keys) stays the same object.
             chunk.forward = torch.compile(chunk.forward)
-        chunks.append(chunk)
     tconfig = chunks[0].config
     if cfg.bf16 or cfg.fp16:
         chunks = [Float16Module(tconfig, c) for c in chunks]
@@ -143,7 +169,8 @@ class Trainer:
         self.tokenizer = tokenizer_from_config(cfg)
         # Data first: a bad --data-path or out-of-vocabulary ids are reported before the model is built.
         self.train_ds, self.valid_ds, self.test_ds = build_datasets(cfg, self.tokenizer)
-        self.model = build_model(cfg, self.tokenizer.vocab_size)
+        vocab = model_vocab_size(cfg, self.tokenizer)
+        self.model = build_model(cfg, vocab)
         self.optimizer, self.optimizer_name = build_optimizer(cfg, self.model)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         tconfig = self.model[0].config
@@ -151,8 +178,7 @@ class Trainer:
         tconfig.grad_scale_func = self.optimizer.scale_loss
         if cfg.zero_2_memory_optimization:
             tconfig.no_sync_func = self.model[0].no_sync  # reduce-scatter once per step, not per micro batch
-        self.checkpointer = Checkpointer(cfg, self.model, self.optimizer, self.scheduler, model_info={
-            "vocab_size": self.tokenizer.vocab_size, "padded_vocab_size": padded_vocab_size(self.tokenizer.vocab_size, cfg)})
+        self.checkpointer = Checkpointer(cfg, self.model, self.optimizer, self.scheduler, model_info=model_info(cfg, vocab))
         self.state = (self.checkpointer.load() if cfg.load else None) or TrainState()
         self.validator = Validator(cfg, self.valid_ds, partial(self._iterators, cycle=True), self.evaluate)
         self.num_params = count_parameters(self.model)

@@ -1,5 +1,16 @@
-"""Checkpoints: the `Checkpointer` component, its on-disk layout, RNG capture, and one backend per format."""
-from .checkpointer import Checkpointer, TrainState, layout
+"""Checkpoints: the `Checkpointer` component, its on-disk layout, RNG capture, and one backend per format.
+
+`directory` (the layout, reading manifests, choosing the checkpoint to load) needs neither torch nor
+megatron-core, so the configuration layer can read a checkpoint's stored settings before any of them
+is imported; the rest is imported on first use."""
 from .directory import CheckpointError, checkpoint_dir, read_manifest, read_tracker
 
 __all__ = ["Checkpointer", "TrainState", "CheckpointError", "checkpoint_dir", "layout", "read_manifest", "read_tracker"]
+
+
+def __getattr__(name: str):
+    if name in ("Checkpointer", "TrainState", "layout"):
+        from . import checkpointer
+
+        return getattr(checkpointer, name)
+    raise AttributeError(name)

@@ -96,10 +96,12 @@ class Checkpointer:
         self.backend.save(tmp, self.model, self.optimizer)
         dist.barrier()
         if dist.get_rank() == 0:
+            model_only = self.optimizer is None
             directory.write_manifest(tmp, {
                 **dataclasses.asdict(state), "format": self.format, "layout": layout(self.cfg),
-                "scheduler": self.scheduler.state_dict(), "config": dataclasses.asdict(self.cfg),
-                "model": self.model_info, "versions": _versions()})
+                "contents": ["model"] if model_only else ["model", "optimizer", "rng", "scheduler"],
+                "scheduler": None if model_only else self.scheduler.state_dict(),
+                "config": dataclasses.asdict(self.cfg), "model": self.model_info, "versions": _versions()})
             old = final + ".old"
             if os.path.exists(final):  # saving an iteration again (a resumed run): keep the old until the new is in
                 os.replace(final, old)
@@ -133,13 +135,15 @@ class Checkpointer:
         if self.format == fsdp_dtensor.FORMAT and saved != mine:
             raise CheckpointError(f"{path} is a ZeRO-2 checkpoint of layout {saved}; it loads only into the same "
                                   f"layout (this run: {mine}). Resume with the same TP/PP/DP and ZeRO-2.")
+        model_only = "optimizer" not in manifest.get("contents", ["optimizer"])
         same_model_layout = all(saved[k] == mine[k] for k in ("tp", "pp", "vpp"))
         # The distributed optimizer's shards follow DP size changes only; without ZeRO they follow the model.
         optimizer_fits = saved["zero"] == mine["zero"] and (same_model_layout or mine["zero"] == 0)
-        load_optimizer = not self.cfg.no_load_optim and optimizer_fits
+        load_optimizer = not self.cfg.no_load_optim and optimizer_fits and not model_only
         try:
             safe_loading.check_metadata(path)  # DCP itself would swallow the refusal into "metadata is None"
-            self.backend.load(path, self.model, self.optimizer, load_optimizer=load_optimizer, load_rng=same_model_layout)
+            self.backend.load(path, self.model, self.optimizer, load_optimizer=load_optimizer,
+                              load_rng=same_model_layout and not model_only)
         except (pickle.UnpicklingError, CheckpointException) as e:
             refused = _refused_unpickling(e)  # raised by the safe-loading patches (megatron_patch.compat.safe_loading)
             if refused is None:
@@ -153,9 +157,13 @@ class Checkpointer:
             notes.append(f"layout {saved} -> {mine}")
         if not same_model_layout:
             notes.append("weights resharded, RNG streams start fresh (they depend on TP/PP)")
-        if not optimizer_fits and not self.cfg.no_load_optim:
+        if model_only:
+            notes.append("it holds weights only (e.g. converted from Hugging Face): optimizer, lr schedule and RNG "
+                         "start fresh")
+        elif not optimizer_fits and not self.cfg.no_load_optim:
             notes.append("the optimizer state does not fit this layout (ZeRO-1 state moves between DP sizes only, "
                          "and not between ZeRO stages): optimizer and lr schedule start fresh")
         _print0(f"loaded checkpoint {path} (iteration {iteration})" + ("; " + "; ".join(notes) if notes else ""))
         self.last_saved = iteration if root == self.cfg.save else None
+        self.model_info = {**manifest.get("model", {}), **self.model_info}  # keeps e.g. the Hugging Face origin
         return TrainState(manifest["iteration"], manifest["consumed_samples"], manifest.get("consumed_valid_samples", 0))

@@ -33,10 +33,12 @@ def _model_state(model: List) -> Dict:
 
 
 def save(path: str, model: List, optimizer) -> None:
-    """Write this rank's part of the checkpoint into `path` (collective)."""
+    """Write this rank's part of the checkpoint into `path` (collective). Without an optimizer (a converted
+    model) only the weights are written: no optimizer state, no RNG streams."""
     state = _model_state(model)
-    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=OPT_METADATA)
-    state["rng_state"] = rng.sharded(rng.capture())
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=OPT_METADATA)
+        state["rng_state"] = rng.sharded(rng.capture())
     dist_checkpointing.save(state, path)
 
 

@@ -1,0 +1,63 @@
+"""Where the model's architecture comes from when it is not given by flags: a Hugging Face directory
+(`--load-hf`: its config.json) or an engine checkpoint (`--load`: the configuration stored in its
+checkpoint.json). The user then does not repeat shapes; a flag that contradicts the source is refused."""
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from .config import ConfigError
+
+# Fields that define the model's parameters (and so must match the weights that will be loaded).
+ARCHITECTURE = ("model_family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
+                "ffn_hidden_size", "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
+                "normalization", "norm_epsilon", "swiglu", "openai_gelu", "untie_embeddings_and_output_weights",
+                "disable_bias_linear", "add_qkv_bias", "model_vocab_size", "padded_vocab_size")
+FLAG = {"untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights"}
+
+
+def from_hf(path: str) -> Dict:
+    """Architecture (and dropout defaults) of the Hugging Face model in `path`."""
+    from megatron_patch.conversion import tables
+    from megatron_patch.conversion.hf_io import read_hf_config
+    from megatron_patch.conversion.mapping import ConversionError
+
+    try:
+        config = read_hf_config(path)
+        return tables.for_model_type(config.get("model_type", "")).engine_args(config)
+    except (ConversionError, OSError, ValueError) as e:
+        raise ConfigError(f"--load-hf {path}: {e}") from None
+
+
+def from_checkpoint(path: str) -> Optional[Dict]:
+    """Architecture stored with the checkpoint `--load` resumes, or None when there is none to read."""
+    import os
+
+    from megatron_patch.training.checkpoint import directory
+
+    if not os.path.isdir(path):
+        return None  # validate() reports a missing --load
+    try:
+        iteration, _ = directory.select_checkpoint(path)
+        if iteration is None:
+            return None
+        manifest = directory.read_manifest(directory.checkpoint_dir(path, iteration))
+    except (directory.CheckpointError, OSError, ValueError):
+        return None  # loading reports it, with the directory named
+    stored = manifest.get("config", {})
+    arch = {k: stored[k] for k in ARCHITECTURE if k in stored}
+    model = manifest.get("model", {})
+    if "vocab_size" in model:  # the embedding's rows, before and after padding, as saved
+        arch.update(model_vocab_size=model["vocab_size"], padded_vocab_size=model["padded_vocab_size"])
+    return arch
+
+
+def merge(values: Dict, given: Dict, source: Dict, what: str, apply_other: bool = False) -> None:
+    """Put `source`'s architecture into `values`; a flag the user gave must agree with it."""
+    for key, value in source.items():
+        if key in given:
+            if key in ARCHITECTURE and value is not None and given[key] != value:
+                flag = FLAG.get(key, "--" + key.replace("_", "-"))
+                raise ConfigError(f"{flag} {given[key]} contradicts {what}, which says {value}: drop the flag "
+                                  f"(the architecture comes from {what})")
+        elif key in ARCHITECTURE or apply_other:
+            values[key] = value

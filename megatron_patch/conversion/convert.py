@@ -1,0 +1,204 @@
+"""`tools/convert_checkpoint.py`: Hugging Face <-> engine checkpoints, both directions, any TP/PP.
+
+  hf2mcore  a Hugging Face directory -> an engine checkpoint (iteration 0, weights only) that
+            `pretrain_megatron_gpt.py --load DIR` continues from, its model arguments stored with it.
+            The model is built in the target layout by TP x PP worker processes (started here, CPU,
+            gloo), each loading only its slice, one tensor at a time.
+  mcore2hf  any engine checkpoint (any TP/PP/VPP, ZeRO-0/1/2) -> config.json + safetensors (sharded
+            above --max-shard-size) + tokenizer files, loadable with AutoModelForCausalLM.from_pretrained.
+
+`--verify` runs both models on the same token batches and fails unless the logits agree (see verify.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import List, Optional
+
+ROOT_HELP = "Convert checkpoints between Hugging Face and the engine (megatron-core), both ways, any TP/PP."
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=ROOT_HELP)
+    p.add_argument("--direction", required=True, choices=["hf2mcore", "mcore2hf"])
+    p.add_argument("--load-dir", required=True, help="source: a Hugging Face directory, or an engine checkpoint "
+                   "(a --save directory or one iter_XXXXXXX in it)")
+    p.add_argument("--save-dir", required=True, help="destination directory (must be empty or absent)")
+    p.add_argument("--model-family", default="auto", choices=["auto", "gpt2", "gpt", "llama", "qwen2", "mistral"],
+                   help="auto: config.json's model_type (hf2mcore) or the checkpoint's family (mcore2hf)")
+    p.add_argument("--target-tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
+                   help="the embedding is padded to a multiple of lcm(this, TP) rows (hf2mcore)")
+    p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
+                   help="mcore2hf: tensor dtype written (auto: the original Hugging Face dtype when the checkpoint "
+                        "came from one, else the checkpoint's)")
+    p.add_argument("--max-shard-size", default="5GB", help="mcore2hf: safetensors shard size (e.g. 500MB, 5GB)")
+    p.add_argument("--verify", action="store_true", help="compare the logits of both models; exit 3 if they differ")
+    p.add_argument("--debug", action="store_true", help="with --verify, print the difference after every layer")
+    return p.parse_args(argv)
+
+
+def _bytes(text: str) -> int:
+    units = {"KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "B": 1}
+    t = text.strip().upper()
+    for u, n in sorted(units.items(), key=lambda kv: -len(kv[0])):
+        if t.endswith(u):
+            return int(float(t[: -len(u)]) * n)
+    return int(t)
+
+
+def _check_save_dir(path: str) -> None:
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise SystemExit(f"error: --save-dir {path} exists and is not empty; choose a new or empty directory "
+                         f"(nothing is overwritten)")
+
+
+def _family_check(asked: str, found: str) -> None:
+    alias = {"gpt2": "gpt", "gpt": "gpt"}
+    if asked != "auto" and alias.get(asked, asked) != alias.get(found, found):
+        raise SystemExit(f"error: --model-family {asked}, but the checkpoint is a {found} model; pass "
+                         f"--model-family auto or {found}")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(nproc: int, task_args: List[str]) -> int:
+    """Start `nproc` worker processes on the CPU (gloo); their log streams through, their errors are shown
+    once. Returns the workers' exit status (0 ok, 2 conversion error, 3 verification failed)."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+           str(_free_port()), "-m", "megatron_patch.conversion.worker", *task_args]
+    with tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.run(cmd, env=env, stderr=err, text=True)
+        if proc.returncode != 0:
+            err.seek(0)
+            text = err.read()
+            lines = [x for x in text.splitlines() if x.startswith("conversion error")]
+            print("\n".join(lines) if lines else text[-6000:], file=sys.stderr)
+            codes = [int(c) for c in ("3", "2") if f"exitcode  : {c}" in text or f"exitcode: {c}" in text]
+            return codes[0] if codes else 1
+    return 0
+
+
+def hf2mcore(a: argparse.Namespace) -> int:
+    from .hf_io import HFCheckpointReader, read_hf_config
+
+    config = read_hf_config(a.load_dir)
+    _family_check(a.model_family, config.get("model_type", "?"))
+    _check_save_dir(a.save_dir)
+    reader = HFCheckpointReader(a.load_dir)
+    first = next(iter(reader.keys()))
+    hf_dtype = str(reader.dtype_of(first)).replace("torch.", "")
+    tp, pp = a.target_tensor_model_parallel_size, a.target_pipeline_model_parallel_size
+    print(f"hf2mcore: {a.load_dir} ({config.get('model_type')}, {hf_dtype}) -> {a.save_dir} at TP {tp} PP {pp}, "
+          f"{tp * pp} worker process(es)", flush=True)
+    layout = ["--tp", str(tp), "--pp", str(pp)]
+    status = run_workers(tp * pp, ["hf2mcore", "--load-dir", a.load_dir, "--save-dir", a.save_dir, *layout,
+                                   "--make-vocab-size-divisible-by", str(a.make_vocab_size_divisible_by),
+                                   "--hf-dtype", hf_dtype])
+    if status or not a.verify:
+        return status
+    # The written checkpoint, read back in the target layout, against the Hugging Face model.
+    return run_workers(tp * pp, ["verify", "--load-dir", a.save_dir, "--hf-dir", a.load_dir, *layout]
+                       + (["--debug"] if a.debug else []))
+
+
+def _export_tokenizer(cfg: dict, model_info: dict, save_dir: str) -> List[str]:
+    """Tokenizer files for the exported model: the Hugging Face source's, or made from the engine's."""
+    import shutil
+
+    from .hf_io import copy_aux_files
+
+    for src in (cfg.get("load_hf"), cfg.get("tokenizer_model")):
+        if src and os.path.isdir(src):
+            return copy_aux_files(src, save_dir)
+    if cfg.get("tokenizer_type") == "GPT2BPETokenizer" and cfg.get("vocab_file") and cfg.get("merge_file"):
+        shutil.copyfile(cfg["vocab_file"], os.path.join(save_dir, "vocab.json"))
+        shutil.copyfile(cfg["merge_file"], os.path.join(save_dir, "merges.txt"))
+        with open(os.path.join(save_dir, "tokenizer_config.json"), "w") as f:
+            json.dump({"tokenizer_class": "GPT2Tokenizer", "bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>",
+                       "unk_token": "<|endoftext|>", "model_max_length": cfg.get("seq_length")}, f, indent=1)
+        return ["vocab.json", "merges.txt", "tokenizer_config.json"]
+    return []
+
+
+def mcore2hf(a: argparse.Namespace) -> int:
+    import dataclasses
+
+    import torch
+    from tqdm import tqdm
+
+    from megatron_patch.config import Config
+
+    from . import tables
+    from .hf_io import HFCheckpointWriter
+    from .mapping import ConversionError, dims, options, to_hf
+    from .mcore_reader import MegatronCheckpointReader
+
+    reader = MegatronCheckpointReader(a.load_dir)
+    stored = reader.config
+    cfg = Config(**{f.name: stored[f.name] for f in dataclasses.fields(Config) if f.name in stored})
+    family = tables.for_engine(cfg)
+    _family_check(a.model_family, cfg.model_family or family.TABLE.family)
+    _check_save_dir(a.save_dir)
+    info = reader.manifest.get("model", {})
+    vocab, padded = info["vocab_size"], info["padded_vocab_size"]
+    rules = family.TABLE.expand(options(cfg), cfg.num_layers)
+    have, need = set(reader.keys()), {r.mcore for r in rules}
+    if have != need:
+        extra, missing = sorted(have - need), sorted(need - have)
+        raise ConversionError(f"{a.load_dir}: the {family.TABLE.family} table "
+                              + (f"needs {', '.join(missing[:3])}, which the checkpoint lacks" if missing else
+                                 f"does not use {', '.join(extra[:3])}: converting would drop them"))
+    hf_config = dict(info.get("hf_config") or family.hf_config(cfg, vocab))
+    name = a.dtype if a.dtype != "auto" else {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
+        info.get("hf_dtype") or "", "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32")
+    dtype = getattr(torch, DTYPES[name])
+    hf_config.pop("torch_dtype", None)
+    hf_config["dtype"] = DTYPES[name]
+    print(f"mcore2hf: {reader.path} (iteration {reader.manifest['iteration']}, {family.TABLE.family}, layout "
+          f"{reader.manifest['layout']}) -> {a.save_dir} ({name})", flush=True)
+    t0 = time.time()
+    os.makedirs(a.save_dir, exist_ok=True)
+    writer = HFCheckpointWriter(a.save_dir, max_shard_bytes=_bytes(a.max_shard_size))
+    d = dims(cfg, vocab, padded)
+    for hf_name, tensor in tqdm(to_hf(rules, reader.get, d), total=sum(len(r.hf) for r in rules), desc="tensors",
+                                disable=not sys.stderr.isatty()):
+        writer.add(hf_name, tensor.to(dtype))
+    writer.close({"format": "pt"})
+    with open(os.path.join(a.save_dir, "config.json"), "w") as f:
+        json.dump(hf_config, f, indent=2, sort_keys=True)
+    copied = _export_tokenizer(stored, info, a.save_dir)
+    print(f"wrote {a.save_dir}: config.json, {len(os.listdir(a.save_dir)) - 1 - len(copied)} safetensors file(s), "
+          f"tokenizer files {copied or 'none (the checkpoint names none)'} in {time.time() - t0:.1f} s", flush=True)
+    if not a.verify:
+        return 0
+    return run_workers(1, ["verify", "--load-dir", a.load_dir, "--hf-dir", a.save_dir]
+                       + (["--debug"] if a.debug else []))
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    a = get_args(argv)
+    from megatron_patch.training.checkpoint import CheckpointError
+
+    from .hf_io import HFCheckpointError
+    from .mapping import ConversionError
+
+    try:
+        return hf2mcore(a) if a.direction == "hf2mcore" else mcore2hf(a)
+    except (ConversionError, HFCheckpointError, CheckpointError) as e:
+        print(f"conversion error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,102 @@
+"""A conversion table is data: rules naming a megatron-core tensor, the Hugging Face tensors it is made
+of, and the transform between them. One engine (`to_mcore`, `to_hf`, `check_coverage`) applies any table.
+
+Names: Hugging Face names are those of the checkpoint files; megatron-core names are the *global* names
+of the unwrapped GPTModel's state dict (`decoder.layers.{i}.` with the global layer number), whatever
+the TP/PP layout (megatron_patch.conversion.shard cuts them to a rank's slice). `{i}` runs over layers.
+A rule can depend on an option of the model (`when`): tied or untied output layer, biases, learned
+position embeddings, LayerNorm (with bias) or RMSNorm.
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+from .transforms import IDENTITY, Dims, Transform
+
+
+class ConversionError(ValueError):
+    """A checkpoint that does not fit the table; the message names the tensor and file."""
+
+
+@dataclass(frozen=True)
+class Rule:
+    mcore: str
+    hf: Tuple[str, ...]
+    transform: Transform = IDENTITY
+    when: Optional[str] = None  # a model option (see `options`) that must be true for the rule to apply
+
+    def at(self, i: int) -> "Rule":
+        return Rule(self.mcore.replace("{i}", str(i)), tuple(h.replace("{i}", str(i)) for h in self.hf),
+                    self.transform, self.when)
+
+
+@dataclass(frozen=True)
+class Table:
+    """The mapping of one model family."""
+    family: str
+    rules: Tuple[Rule, ...]
+    ignored_hf: Tuple[str, ...] = ()  # regexes of Hugging Face tensors that carry no weights (buffers)
+
+    def expand(self, options: Dict[str, bool], num_layers: int) -> List[Rule]:
+        """The concrete rules of one model: options applied, `{i}` filled for every layer."""
+        out = []
+        for r in self.rules:
+            if r.when is not None and not options[r.when]:
+                continue
+            out.extend(r.at(i) for i in range(num_layers)) if "{i}" in r.mcore else out.append(r)
+        return out
+
+    def ignored(self, hf_name: str) -> bool:
+        return any(re.fullmatch(p, hf_name) for p in self.ignored_hf)
+
+
+def options(cfg) -> Dict[str, bool]:
+    """The model options rules depend on, from an engine Config."""
+    bias = not cfg.disable_bias_linear
+    return {"untied": cfg.untie_embeddings_and_output_weights, "bias": bias, "qkv_bias": bias or cfg.add_qkv_bias,
+            "learned_positions": cfg.position_embedding_type == "learned_absolute",
+            "norm_bias": cfg.normalization == "LayerNorm"}
+
+
+def dims(cfg, vocab: int, padded_vocab: int) -> Dims:
+    return Dims(heads=cfg.num_attention_heads, groups=cfg.num_query_groups or cfg.num_attention_heads,
+                head_dim=cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads, vocab=vocab,
+                padded_vocab=padded_vocab)
+
+
+def to_mcore(rule: Rule, read_hf: Callable[[str], torch.Tensor], d: Dims) -> torch.Tensor:
+    """The megatron-core tensor of `rule`, read from the Hugging Face side."""
+    try:
+        return rule.transform.to_mcore([read_hf(h) for h in rule.hf], d)
+    except (RuntimeError, ValueError) as e:  # shapes that do not fit the config
+        raise ConversionError(f"{', '.join(rule.hf)} -> {rule.mcore} ({rule.transform.name}): {e}; the weights do "
+                              f"not match config.json (heads, query groups, sizes)") from None
+
+
+def to_hf(rules: Sequence[Rule], read_mcore: Callable[[str], torch.Tensor], d: Dims) -> Iterator[Tuple[str, torch.Tensor]]:
+    """(Hugging Face name, tensor) for every rule, reading one megatron-core tensor at a time."""
+    for rule in rules:
+        try:
+            parts = rule.transform.to_hf(read_mcore(rule.mcore), d)
+        except (RuntimeError, ValueError) as e:
+            raise ConversionError(f"{rule.mcore} -> {', '.join(rule.hf)} ({rule.transform.name}): {e}") from None
+        yield from zip(rule.hf, parts)
+
+
+def check_coverage(table: Table, rules: Sequence[Rule], hf_names: Iterable[str], where: str) -> None:
+    """Every tensor the rules need is present, and every tensor present is used (or known to carry nothing)."""
+    present = set(hf_names)
+    needed = {h for r in rules for h in r.hf}
+    missing = sorted(needed - present)
+    if missing:
+        raise ConversionError(f"{where} lacks {len(missing)} tensor(s) the {table.family} table needs, e.g. "
+                              f"{', '.join(missing[:3])}; is it a {table.family} checkpoint with this config.json?")
+    unused = sorted(n for n in present - needed if not table.ignored(n))
+    if unused:
+        raise ConversionError(f"{where} has {len(unused)} tensor(s) the {table.family} table does not use, e.g. "
+                              f"{', '.join(unused[:3])}: converting would drop them. The model has parts the "
+                              f"engine does not build (check config.json), or the table lacks a rule.")

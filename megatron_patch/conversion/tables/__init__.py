@@ -1,0 +1,30 @@
+"""One conversion table per model family. Adding a family: a module with TABLE, engine_args(config.json)
+and hf_config(engine config, vocab), registered below under its Hugging Face model_type(s)."""
+from __future__ import annotations
+
+from types import ModuleType
+from typing import Dict
+
+from ..mapping import ConversionError
+from . import gpt2, llama
+
+BY_MODEL_TYPE: Dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama}
+ENGINE_FAMILY = {"gpt2": "gpt", "gpt": "gpt", "llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+
+
+def for_model_type(model_type: str) -> ModuleType:
+    if model_type not in BY_MODEL_TYPE:
+        raise ConversionError(f"config.json model_type {model_type!r}: conversion supports "
+                              f"{', '.join(sorted(BY_MODEL_TYPE))}")
+    return BY_MODEL_TYPE[model_type]
+
+
+def for_engine(cfg) -> ModuleType:
+    """The table of an engine model: by --model-family, else by its architecture (SwiGLU + RMSNorm + RoPE)."""
+    g = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
+    family = g("model_family")
+    if family in ("gpt", "gpt2"):
+        return gpt2
+    if family in ("llama", "qwen2", "mistral"):
+        return llama
+    return llama if g("swiglu") and g("normalization") == "RMSNorm" else gpt2

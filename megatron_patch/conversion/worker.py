@@ -1,0 +1,122 @@
+"""The conversion's work that needs the engine's model, run in TP x PP processes started by
+`megatron_patch.conversion.convert` (torchrun, gloo on the CPU):
+
+  hf2mcore     build the model in the target layout, load the Hugging Face weights into it (the same
+               shim as --load-hf), write an engine checkpoint with the weights only
+  verify       build the model (fp32, --tp/--pp layout) from an engine checkpoint's tensors and compare
+               its logits with a Hugging Face directory's
+
+`python -m megatron_patch.conversion.worker {hf2mcore|verify} ...` (not meant to be run by hand).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import List
+
+
+def _engine_config(args, extra: List[str]):
+    from megatron_patch.config import parse_args
+
+    flags = ["--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--eval-iters", "0",
+             "--tensor-model-parallel-size", str(args.tp), "--pipeline-model-parallel-size", str(args.pp), *extra]
+    cfg = parse_args(flags)
+    cfg.seq_length = min(cfg.max_position_embeddings or args.seq, args.seq)
+    return cfg
+
+
+def _hf_model(hf_dir: str):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+
+
+def _is_reporting_rank() -> bool:
+    from megatron.core import parallel_state as mpu
+
+    return mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0
+
+
+def hf2mcore(args) -> int:
+    """Build the model in the target layout in the Hugging Face dtype, load the weights, save them."""
+    from megatron_patch.training.checkpoint import Checkpointer, TrainState
+    from megatron_patch.training.loop import build_model, model_info
+    from megatron_patch.parallel import initialize
+
+    precision = {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(args.hf_dtype, [])  # exact: no rounding
+    cfg = _engine_config(args, ["--load-hf", args.load_dir, "--save", args.save_dir, *precision,
+                                "--make-vocab-size-divisible-by", str(args.make_vocab_size_divisible_by)])
+    initialize(cfg)
+    model = build_model(cfg, cfg.model_vocab_size)
+    info = model_info(cfg, cfg.model_vocab_size)
+    info["hf_dtype"] = args.hf_dtype
+    Checkpointer(cfg, model, None, None, model_info=info).save(TrainState())
+    return 0
+
+
+def verify_checkpoint(args) -> int:
+    """Build the model of an engine checkpoint in fp32, in the --tp/--pp layout, from its global tensors
+    (any saved layout, any ZeRO format), and compare it with the Hugging Face directory."""
+    from megatron_patch.config.model_source import ARCHITECTURE
+    from megatron_patch.conversion.load_hf import load_global_weights
+    from megatron_patch.conversion.mcore_reader import MegatronCheckpointReader
+    from megatron_patch.conversion.verify import verify
+    from megatron_patch.parallel import initialize, print_rank_0
+    from megatron_patch.training.loop import build_model
+
+    reader = MegatronCheckpointReader(args.load_dir)
+    cfg = _engine_config(args, [])
+    info = reader.manifest.get("model", {})
+    for key in ARCHITECTURE:  # the architecture stored with the checkpoint
+        if key in reader.config:
+            setattr(cfg, key, reader.config[key])
+    cfg.model_vocab_size, cfg.padded_vocab_size = info["vocab_size"], info["padded_vocab_size"]
+    cfg.vocab_size = cfg.model_vocab_size  # the random tokens of --mock-data, unused here
+    cfg.seq_length = min(cfg.max_position_embeddings or args.seq, args.seq)
+    initialize(cfg)
+    model = build_model(cfg, cfg.model_vocab_size)
+    load_global_weights([_unwrap(m) for m in model], cfg, reader.get, reader.keys(), args.load_dir)
+    hf = _hf_model(args.hf_dir) if _is_reporting_rank() else None
+    ok = verify(model, hf, cfg.model_vocab_size, cfg.seq_length, debug=args.debug, log=print_rank_0)
+    return 0 if ok else 3
+
+
+def _unwrap(m):
+    while hasattr(m, "module"):
+        m = m.module
+    return m
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("task", choices=["hf2mcore", "verify"])
+    p.add_argument("--load-dir", required=True)
+    p.add_argument("--save-dir")
+    p.add_argument("--hf-dir")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--hf-dtype")
+    p.add_argument("--debug", action="store_true")
+    args = p.parse_args(argv)
+    from megatron_patch.config import ConfigError
+    from megatron_patch.conversion.hf_io import HFCheckpointError
+    from megatron_patch.conversion.mapping import ConversionError
+    from megatron_patch.parallel import destroy
+    from megatron_patch.training.checkpoint import CheckpointError
+
+    try:
+        return hf2mcore(args) if args.task == "hf2mcore" else verify_checkpoint(args)
+    except (ConversionError, HFCheckpointError, CheckpointError, ConfigError) as e:
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"conversion error: {e}", file=sys.stderr, flush=True)
+        return 2
+    finally:
+        destroy()
+
+
+if __name__ == "__main__":  # dist_checkpointing starts helper processes: keep the guard
+    sys.exit(main())
