@@ -27,6 +27,14 @@ given() {
   return 1
 }
 EXTRA=("$@")
+# flag_value FLAG: the value an extra argument gives FLAG (--flag value or --flag=value), else empty.
+flag_value() {
+  local i
+  for ((i = 0; i < ${#EXTRA[@]}; i++)); do
+    [[ ${EXTRA[i]} == "$1="* ]] && { echo "${EXTRA[i]#*=}"; return; }
+    [[ ${EXTRA[i]} == "$1" ]] && { echo "${EXTRA[i + 1]:-}"; return; }
+  done
+}
 
 HAS_GPU=0
 # Importing torch takes seconds: ask it only where a GPU driver is present (NVIDIA, or ROCm's /dev/kfd).
@@ -68,6 +76,8 @@ SAVE_INTERVAL=${SAVE_INTERVAL:-}         # default: one checkpoint, when trainin
 
 if [ -n "${HF_MODEL:-}" ]; then  # a Hugging Face model: architecture and weights from it
   ARGS=(--load-hf "$HF_MODEL")
+elif [ -f "$(flag_value --load)/latest_checkpointed_iteration.txt" ]; then
+  ARGS=()  # resuming, or starting from a converted checkpoint: the architecture is stored there
 else
   ARGS=(--model-family "$MODEL_FAMILY" --model-size "$MODEL_SIZE")
 fi

@@ -119,3 +119,30 @@ def test_run_llama_sh_with_tensor_parallel(tmp_path):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "model: llama" in proc.stdout and "TP 2 PP 1 DP 1" in proc.stdout
     assert (tmp_path / "out" / "checkpoints" / "iter_0000005").is_dir()
+
+
+def test_run_gpt_sh_starts_from_a_hugging_face_model(tmp_path, gpt2_files):
+    """HF_MODEL=DIR: the demo corpus is tokenized with the model's own tokenizer and training starts from
+    its weights, in the launcher's TP layout."""
+    import torch
+    import transformers
+    from tokenizers import ByteLevelBPETokenizer
+
+    vocab, merges = gpt2_files
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=ByteLevelBPETokenizer(vocab, merges),
+                                               eos_token="<|endoftext|>")
+    hf = tmp_path / "tiny_llama"
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=len(tok) + 3, max_position_embeddings=128)
+    transformers.LlamaForCausalLM(config).save_pretrained(hf)
+    tok.save_pretrained(hf)
+    env = dict(os.environ, HF_MODEL=str(hf), TRAIN_ITERS="4", LOG_INTERVAL="1", EVAL_INTERVAL="4", GPUS="2", TP="2",
+               OUTPUT=str(tmp_path / "out"), DEMO_DIR=str(tmp_path / "demo"), PYTHONWARNINGS="ignore")
+    proc = subprocess.run(["bash", os.path.join(ROOT, "pretrain_scripts", "run_gpt.sh")], capture_output=True,
+                          text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert f"Hugging Face tensors from --load-hf {hf}" in proc.stdout and "TP 2 PP 1" in proc.stdout
+    assert "model: llama" in proc.stdout
+    lines = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
+    assert len([x for x in lines if "loss" in x]) == 4

@@ -56,16 +56,20 @@ def _bytes(text: str) -> int:
 
 
 def _check_save_dir(path: str) -> None:
+    from .mapping import ConversionError  # exit 2 with "conversion error: ...", as every refusal
+
     if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
-        raise SystemExit(f"error: --save-dir {path} exists and is not empty; choose a new or empty directory "
-                         f"(nothing is overwritten)")
+        raise ConversionError(f"--save-dir {path} exists and is not empty; choose a new or empty directory "
+                              f"(nothing is overwritten)")
 
 
 def _family_check(asked: str, found: str) -> None:
+    from .mapping import ConversionError
+
     alias = {"gpt2": "gpt", "gpt": "gpt"}
     if asked != "auto" and alias.get(asked, asked) != alias.get(found, found):
-        raise SystemExit(f"error: --model-family {asked}, but the checkpoint is a {found} model; pass "
-                         f"--model-family auto or {found}")
+        raise ConversionError(f"--model-family {asked}, but the checkpoint is a {found} model; pass "
+                              f"--model-family auto or {found}")
 
 
 def _free_port() -> int:
@@ -87,8 +91,13 @@ def run_workers(nproc: int, task_args: List[str]) -> int:
             err.seek(0)
             text = err.read()
             lines = [x for x in text.splitlines() if x.startswith("conversion error")]
-            print("\n".join(lines) if lines else text[-6000:], file=sys.stderr)
             codes = [int(c) for c in ("3", "2") if f"exitcode  : {c}" in text or f"exitcode: {c}" in text]
+            if not lines and codes[:1] == [3]:  # the verdict is on stdout; torchrun's traceback would only hide it
+                lines = ["verification failed: the two models' logits differ (the verdict above), so the converted "
+                         "weights do not reproduce the model. Rerun with --debug to see the first layer whose output "
+                         "differs, then check that layer's rules in the family's table (QKV grouping, rotary layout, "
+                         "Conv1D transposes)"]
+            print("\n".join(lines) if lines else text[-6000:], file=sys.stderr)
             return codes[0] if codes else 1
     return 0
 
@@ -135,6 +144,20 @@ def _export_tokenizer(cfg: dict, model_info: dict, save_dir: str) -> List[str]:
     return []
 
 
+def _special_token_ids(cfg, vocab: int) -> dict:
+    """bos/eos ids for config.json from the engine's tokenizer (its end-of-document token), so that
+    generate() stops where the engine's documents end; None where the tokenizer cannot be built here."""
+    from megatron_patch.training.data import tokenizer_from_config
+
+    try:
+        eod = tokenizer_from_config(cfg).eod
+    except Exception as e:  # noqa: BLE001  (the files may be gone: the export stays usable without them)
+        print(f"mcore2hf: the run's tokenizer is not available ({e}); config.json names no bos/eos token", flush=True)
+        eod = None
+    eod = eod if eod is not None and 0 <= eod < vocab else None
+    return {"bos_token_id": eod, "eos_token_id": eod}
+
+
 def mcore2hf(a: argparse.Namespace) -> int:
     import dataclasses
 
@@ -164,6 +187,8 @@ def mcore2hf(a: argparse.Namespace) -> int:
                               + (f"needs {', '.join(missing[:3])}, which the checkpoint lacks" if missing else
                                  f"does not use {', '.join(extra[:3])}: converting would drop them"))
     hf_config = dict(info.get("hf_config") or family.hf_config(cfg, vocab))
+    if not info.get("hf_config"):  # an engine-native model: its tokenizer's end of document, not a config default
+        hf_config.update(_special_token_ids(cfg, vocab))
     name = a.dtype if a.dtype != "auto" else {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
         info.get("hf_dtype") or "", "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32")
     dtype = getattr(torch, DTYPES[name])
@@ -186,7 +211,7 @@ def mcore2hf(a: argparse.Namespace) -> int:
           f"tokenizer files {copied or 'none (the checkpoint names none)'} in {time.time() - t0:.1f} s", flush=True)
     if not a.verify:
         return 0
-    return run_workers(1, ["verify", "--load-dir", a.load_dir, "--hf-dir", a.save_dir]
+    return run_workers(1, ["verify", "--load-dir", a.load_dir, "--hf-dir", a.save_dir, "--dtype", DTYPES[name]]
                        + (["--debug"] if a.debug else []))
 
 

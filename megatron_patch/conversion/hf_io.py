@@ -22,6 +22,8 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from .mapping import TensorIndex
+
 CONFIG = "config.json"
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -56,7 +58,7 @@ def read_hf_config(path: str) -> Dict:
     return config
 
 
-class HFCheckpointReader:
+class HFCheckpointReader(TensorIndex):
     """The tensors of a Hugging Face directory, by name, read one at a time from the shard that holds them.
 
     `keys()` lists every tensor in the files (tied weights that transformers dropped on saving are
@@ -97,16 +99,6 @@ class HFCheckpointReader:
                 raise HFCheckpointError(f"{index} names the shard {shard}, which is not in {self.path}: the download "
                                         f"or copy is incomplete; fetch the missing file")
         return dict(weight_map)
-
-    def keys(self) -> List[str]:
-        """Every tensor name in the directory's weight files, in the order of the index (or file)."""
-        return list(self._where)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def __len__(self) -> int:
-        return len(self._where)
 
     def file_of(self, name: str) -> str:
         """The path of the file that holds `name`."""

@@ -18,6 +18,22 @@ import torch
 from .transforms import IDENTITY, Dims, Transform
 
 
+class TensorIndex:
+    """`keys()`, `in` and `len()` of a checkpoint reader, over its `_where` (tensor name -> location)."""
+
+    _where: Dict
+
+    def keys(self) -> List[str]:
+        """Every tensor name the checkpoint holds, in its order."""
+        return list(self._where)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._where
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+
 class ConversionError(ValueError):
     """A checkpoint that does not fit the table; the message names the tensor and file."""
 

@@ -40,6 +40,8 @@ from megatron_patch.compat import apply_safe_loading
 from megatron_patch.training.checkpoint import directory
 from megatron_patch.training.checkpoint.directory import CheckpointError
 
+from .mapping import TensorIndex
+
 TORCH_DIST, FSDP_DTENSOR = "torch_dist", "fsdp_dtensor"
 STACKED = "decoder.layers."
 # dist_checkpointing names our spec's norms after Transformer Engine's fused norm+linear modules
@@ -128,7 +130,7 @@ def resolve_checkpoint(path: str) -> str:
     return directory.checkpoint_dir(path, iteration)
 
 
-class MegatronCheckpointReader:
+class MegatronCheckpointReader(TensorIndex):  # keys(): embedding, layers 0..L-1, final norm, output layer
     """The model weights of an engine checkpoint (any layout, ZeRO-0/1/2, fp32 or bf16) as full tensors.
 
     `path`: an `iter_XXXXXXX` directory or the --save root (its tracker names the checkpoint).
@@ -212,16 +214,6 @@ class MegatronCheckpointReader:
         if layers and layers != set(range(self.num_layers)):
             raise CheckpointError(f"{self.path}: the checkpoint has layers {sorted(layers)}, the stored configuration "
                                   f"says num_layers={self.num_layers}; the checkpoint is incomplete or inconsistent")
-
-    def keys(self) -> List[str]:
-        """Global megatron-core names of every model tensor: embedding, layers 0..L-1, final norm, output layer."""
-        return list(self._where)
-
-    def __contains__(self, name: str) -> bool:
-        return name in self._where
-
-    def __len__(self) -> int:
-        return len(self._where)
 
     def _lookup(self, name: str) -> Tuple[str, Optional[int], TensorStorageMetadata]:
         if name not in self._where:

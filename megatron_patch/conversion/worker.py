@@ -49,7 +49,7 @@ def hf2mcore(args) -> int:
     cfg = _engine_config(args, ["--load-hf", args.load_dir, "--save", args.save_dir, *precision,
                                 "--make-vocab-size-divisible-by", str(args.make_vocab_size_divisible_by)])
     initialize(cfg)
-    model = build_model(cfg, cfg.model_vocab_size)
+    model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
     info = model_info(cfg, cfg.model_vocab_size)
     info["hf_dtype"] = args.hf_dtype
     Checkpointer(cfg, model, None, None, model_info=info).save(TrainState())
@@ -76,8 +76,17 @@ def verify_checkpoint(args) -> int:
     cfg.vocab_size = cfg.model_vocab_size  # the random tokens of --mock-data, unused here
     cfg.seq_length = min(cfg.max_position_embeddings or args.seq, args.seq)
     initialize(cfg)
-    model = build_model(cfg, cfg.model_vocab_size)
-    load_global_weights([_unwrap(m) for m in model], cfg, reader.get, reader.keys(), args.load_dir)
+    model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
+    get = reader.get
+    if args.dtype:  # the export's dtype: compare with the weights it holds (a ZeRO-2 bf16 run saves fp32 main weights)
+        import torch
+
+        saved = {str(reader.dtype_of(n)).replace("torch.", "") for n in reader.keys()}
+        if saved != {args.dtype}:
+            print_rank_0(f"verify: the checkpoint's {'/'.join(sorted(saved))} weights rounded to {args.dtype}, the "
+                         f"dtype of the export")
+        get = lambda name: reader.get(name).to(getattr(torch, args.dtype))  # noqa: E731
+    load_global_weights([_unwrap(m) for m in model], cfg, get, reader.keys(), args.load_dir)
     hf = _hf_model(args.hf_dir) if _is_reporting_rank() else None
     ok = verify(model, hf, cfg.model_vocab_size, cfg.seq_length, debug=args.debug, log=print_rank_0)
     return 0 if ok else 3
@@ -100,6 +109,7 @@ def main(argv=None) -> int:
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--hf-dtype")
+    p.add_argument("--dtype", help="verify: round the checkpoint's weights to this torch dtype first (the export's)")
     p.add_argument("--debug", action="store_true")
     args = p.parse_args(argv)
     from megatron_patch.config import ConfigError

@@ -56,8 +56,9 @@ def model_info(cfg: Config, vocab: int) -> Dict:
     return info
 
 
-def build_model(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
-    """Model chunks of this rank, wrapped for mixed precision and megatron-core DDP."""
+def build_model(cfg: Config, vocab_size: int, for_training: bool = True) -> List[torch.nn.Module]:
+    """Model chunks of this rank, wrapped for mixed precision and megatron-core DDP; with
+    `for_training=False` the bare GPTModel chunks (no gradient buffers: checkpoint conversion)."""
     vpp = cfg.virtual_pipeline_model_parallel_size
     chunks = []
     for vp in range(vpp or 1):
@@ -80,6 +81,8 @@ def build_model(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
         for chunk in chunks:
             # Compile the forward only, so the module (its parameters, state-dict keys) stays the same object.
             chunk.forward = torch.compile(chunk.forward)
+    if not for_training:
+        return chunks
     tconfig = chunks[0].config
     if cfg.bf16 or cfg.fp16:
         chunks = [Float16Module(tconfig, c) for c in chunks]

@@ -34,7 +34,9 @@ def rope_theta(c: Dict) -> float:
     """RoPE base of a config.json (transformers >= 5 nests it in rope_parameters); only unscaled RoPE."""
     params = c.get("rope_parameters") or {}
     scaling = c.get("rope_scaling") or {}
-    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    # transformers applies a rope_scaling even next to a default rope_parameters: any non-default type counts
+    kinds = [k for k in (scaling.get("rope_type"), scaling.get("type"), params.get("rope_type")) if k]
+    kind = next((k for k in kinds if k != "default"), "default")
     if kind != "default":
         raise ConversionError(f"config.json rope type {kind!r}: the engine implements unscaled RoPE only "
                               f"(rope_type 'default'); this model's positions would be encoded differently")
