@@ -15,7 +15,7 @@ demo: $(STAMP)
 	bash pretrain_scripts/run_gpt.sh
 
 test: $(STAMP)
-	$(PY) -m pytest -q -m "not slow and not gpu"
+	$(PY) -m pytest -q -m "not slow and not gpu" --durations=15
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu"

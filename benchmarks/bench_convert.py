@@ -12,10 +12,11 @@ Steps, each one command run as a user runs it, measured separately:
   mcore2hf          --direction mcore2hf of the TP1 checkpoint
   mcore2hf +v       the same with --verify
 
-Memory: every 0.2 s the whole process tree of the command (the tool, torchrun, its workers and their
-helpers) is read from /proc: `VmRSS` (all resident pages, including the pages of the safetensors
-files the process has mmapped, which the kernel can drop) and `RssAnon` (anonymous memory: what
-the processes really hold). Peaks are of the sums over the tree. A phase ("worker hf2mcore",
+Memory: every 0.2 s the whole process tree of the command (the tool, torchrun, its workers and the
+checkpoint writer's forked helpers) is read from /proc/PID/smaps_rollup: `Pss` (resident pages, each
+shared page divided among the processes that map it, so a fork's copy-on-write pages and a mmapped
+safetensors file count once; includes file pages the kernel can drop) and `Pss_Anon` (anonymous
+memory: what the processes really hold). Peaks are of the sums over the tree. A phase ("worker hf2mcore",
 "worker verify", or "tool" when no worker is alive) is told by the workers' command lines.
 
     python benchmarks/bench_convert.py [--layers 18] [--dtype bf16] [--skip-tp2] [--keep] [--workdir DIR]
@@ -100,10 +101,12 @@ def num_params(a) -> int:
 # ------------------------------------------------------------------------------------- measuring
 
 def _status(pid: int) -> Optional[Dict[str, int]]:
+    """Proportional set sizes of a process (/proc/PID/smaps_rollup): pages shared with other processes
+    (a fork's copy-on-write pages, one mmapped file) count once over the tree, not once per process."""
     try:
-        with open(f"/proc/{pid}/status") as f:
-            fields = dict(line.split(":", 1) for line in f if ":" in line)
-        return {k: int(fields[k].split()[0]) * 1024 for k in ("VmRSS", "RssAnon", "RssFile") if k in fields}
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line and not line[0].isdigit())
+        return {"Pss": int(fields["Pss"].split()[0]) * 1024, "PssAnon": int(fields["Pss_Anon"].split()[0]) * 1024}
     except (OSError, ValueError, KeyError):
         return None
 
@@ -124,7 +127,7 @@ class TreeMonitor(threading.Thread):
         super().__init__(daemon=True)
         self.pid, self.interval = pid, interval
         self.stop = threading.Event()
-        self.peak: Dict[str, Dict[str, int]] = {}  # phase -> {"VmRSS": bytes, "RssAnon": bytes, "procs": n}
+        self.peak: Dict[str, Dict[str, int]] = {}  # phase -> {"Pss": bytes, "PssAnon": bytes, "procs": n}
         self.phase_time: Dict[str, float] = {}
 
     def run(self) -> None:
@@ -140,13 +143,13 @@ class TreeMonitor(threading.Thread):
                 procs = [root] + root.children(recursive=True)
             except psutil.NoSuchProcess:
                 break
-            total = {"VmRSS": 0, "RssAnon": 0}
+            total = {"Pss": 0, "PssAnon": 0}
             cmdlines = []
             for p in procs:
                 s = _status(p.pid)
                 if s:
-                    total["VmRSS"] += s.get("VmRSS", 0)
-                    total["RssAnon"] += s.get("RssAnon", 0)
+                    total["Pss"] += s.get("Pss", 0)
+                    total["PssAnon"] += s.get("PssAnon", 0)
                 try:
                     cmdlines.append(p.cmdline())
                 except psutil.Error:
@@ -156,8 +159,8 @@ class TreeMonitor(threading.Thread):
             self.phase_time[phase] = self.phase_time.get(phase, 0.0) + (now - last)
             last = now
             for key in (phase, "all"):
-                peak = self.peak.setdefault(key, {"VmRSS": 0, "RssAnon": 0, "procs": 0})
-                for k in ("VmRSS", "RssAnon"):
+                peak = self.peak.setdefault(key, {"Pss": 0, "PssAnon": 0, "procs": 0})
+                for k in ("Pss", "PssAnon"):
                     peak[k] = max(peak[k], total[k])
                 peak["procs"] = max(peak["procs"], len(procs))
             self.stop.wait(self.interval)
@@ -180,8 +183,8 @@ def measure(name: str, cmd: List[str], log: str) -> Dict:
     verdict = [line for line in open(log) if line.startswith("verify ")]
     if verdict:
         result["verify"] = verdict[-1].strip()
-    print(f"  {name}: {seconds:.1f} s, peak RSS {mon.peak['all']['VmRSS'] / GiB:.2f} GiB "
-          f"(anonymous {mon.peak['all']['RssAnon'] / GiB:.2f} GiB)", flush=True)
+    print(f"  {name}: {seconds:.1f} s, peak PSS {mon.peak['all']['Pss'] / GiB:.2f} GiB "
+          f"(anonymous {mon.peak['all']['PssAnon'] / GiB:.2f} GiB)", flush=True)
     return result
 
 
@@ -273,18 +276,18 @@ def report(a, n: int, size: int, results: List[Dict]) -> None:
     print(f"\n{n / 1e9:.3f}B-parameter Llama ({a.layers} layers, hidden {a.hidden}, ffn {a.ffn}, vocab {a.vocab}), "
           f"{a.dtype} weights = {g(size)} GiB (fp32 copy {g(n * 4)} GiB); {os.cpu_count()} CPU cores\n")
     base = next((r for r in results if r["name"].startswith("anchor")), None)
-    print("| step | wall s | x anchor | peak RSS GiB (tree) | peak anonymous GiB | x anchor | peak anon / model size "
+    print("| step | wall s | x anchor | peak PSS GiB (tree) | peak anonymous PSS GiB | x anchor | peak anon / model size "
           "| output GiB |")
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         pk = r["peak"]["all"]
         ratio_t = f"{r['seconds'] / base['seconds']:.2f}" if base else "-"
-        ratio_m = f"{pk['RssAnon'] / base['peak']['all']['RssAnon']:.2f}" if base else "-"
-        print(f"| {r['name']} | {r['seconds']:.1f} | {ratio_t} | {g(pk['VmRSS'])} | {g(pk['RssAnon'])} | {ratio_m} | "
-              f"{pk['RssAnon'] / size:.2f} | {g(r.get('output_bytes', 0)) if 'output_bytes' in r else '-'} |")
-    print("\nby phase (peak RSS / peak anonymous GiB, seconds):")
+        ratio_m = f"{pk['PssAnon'] / base['peak']['all']['PssAnon']:.2f}" if base else "-"
+        print(f"| {r['name']} | {r['seconds']:.1f} | {ratio_t} | {g(pk['Pss'])} | {g(pk['PssAnon'])} | {ratio_m} | "
+              f"{pk['PssAnon'] / size:.2f} | {g(r.get('output_bytes', 0)) if 'output_bytes' in r else '-'} |")
+    print("\nby phase (peak PSS / peak anonymous PSS GiB, seconds):")
     for r in results:
-        phases = [f"{ph}: {g(v['VmRSS'])} / {g(v['RssAnon'])}, {r['phase_seconds'].get(ph, 0):.0f} s"
+        phases = [f"{ph}: {g(v['Pss'])} / {g(v['PssAnon'])}, {r['phase_seconds'].get(ph, 0):.0f} s"
                   for ph, v in r["peak"].items() if ph != "all"]
         print(f"  {r['name']}: " + "; ".join(phases) + (f"  [{r['verify']}]" if "verify" in r else ""))
 
