@@ -29,6 +29,10 @@ def _report(kind: str, error: Exception) -> int:
     # the log of each machine (one log on a single machine) holds the message once, without a traceback.
     if int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))) == 0:
         print(f"{kind} error: {error}", file=sys.stderr, flush=True)
+    else:  # torchrun stops every worker once one exits: give local rank 0 (slower on a loaded host) time to say why
+        import time
+
+        time.sleep(5)
     return 2
 
 
