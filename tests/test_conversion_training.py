@@ -178,7 +178,7 @@ def test_load_hf_first_loss_equals_hugging_face_at_tp2_pp2(family, tmp_path, gpt
 
 # ----------------------------------------------------------------------------------------- round trip
 
-TRAIN_ITERS, EVAL_INTERVAL = 40, 20
+TRAIN_ITERS, EVAL_INTERVAL = 20, 10
 
 
 @pytest.fixture(scope="module")

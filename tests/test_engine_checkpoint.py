@@ -78,9 +78,11 @@ def test_resume_with_dropout_is_exact(single, tmp_path):
     assert_same_weights(d / "ck" / "iter_0000010", ck / "iter_0000010")
 
 
-@pytest.mark.parametrize("extra", [["--zero-1-memory-optimization"], ["--zero-2-memory-optimization"],
-                                   ["--zero-2-memory-optimization", "--bf16"]],
-                         ids=["dp2_zero1", "dp2_zero2", "dp2_zero2_bf16"])
+@pytest.mark.parametrize("extra", [
+    pytest.param(["--zero-1-memory-optimization"], id="dp2_zero1"),
+    pytest.param(["--zero-2-memory-optimization"], id="dp2_zero2"),
+    # slow: tests/test_gpu.py resumes bf16 ZeRO-2 on the GPU in the gpu lane
+    pytest.param(["--zero-2-memory-optimization", "--bf16"], id="dp2_zero2_bf16", marks=pytest.mark.slow)])
 def test_resume_with_dropout_is_exact_under_zero(tmp_path, extra):
     """--exit-interval 5, then --load: the second half equals the uninterrupted run."""
     straight, _ = run_engine(tmp_path / "straight", 2, *TEN, *extra, "--save", str(tmp_path / "s"))
