@@ -6,7 +6,6 @@ fp32 (bf16 weights are exactly representable there), so the criterion is the sam
 `debug=True` also prints the difference after every transformer layer."""
 from __future__ import annotations
 
-from functools import partial
 from typing import Dict, List, Optional
 
 import torch
@@ -15,6 +14,8 @@ from megatron.core import parallel_state as mpu
 from megatron.core import tensor_parallel
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
+from megatron_patch.training.checkpoint.torch_dist import unwrap
+
 
 TOLERANCE = 1e-4
 
@@ -22,12 +23,6 @@ TOLERANCE = 1e-4
 def sample_tokens(vocab: int, seq: int, batch: int = 2, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (batch, seq), generator=g)
-
-
-def _unwrap(m):
-    while hasattr(m, "module"):
-        m = m.module
-    return m
 
 
 def _forward_step(data_iterator, model):
@@ -44,7 +39,7 @@ def _forward_step(data_iterator, model):
 def _layer_hooks(chunks, store: Dict[int, torch.Tensor]) -> List:
     handles = []
     for chunk in chunks:
-        for layer in _unwrap(chunk).decoder.layers:
+        for layer in unwrap(chunk).decoder.layers:
             def hook(module, args, output, number=layer.layer_number):
                 hidden = output[0] if isinstance(output, tuple) else output
                 store[number - 1] = hidden.detach().transpose(0, 1).float().clone()  # [b, s, h]

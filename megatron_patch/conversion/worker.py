@@ -86,16 +86,10 @@ def verify_checkpoint(args) -> int:
             print_rank_0(f"verify: the checkpoint's {'/'.join(sorted(saved))} weights rounded to {args.dtype}, the "
                          f"dtype of the export")
         get = lambda name: reader.get(name).to(getattr(torch, args.dtype))  # noqa: E731
-    load_global_weights([_unwrap(m) for m in model], cfg, get, reader.keys(), args.load_dir)
+    load_global_weights(model, cfg, get, reader.keys(), args.load_dir)
     hf = _hf_model(args.hf_dir) if _is_reporting_rank() else None
     ok = verify(model, hf, cfg.model_vocab_size, cfg.seq_length, debug=args.debug, log=print_rank_0)
     return 0 if ok else 3
-
-
-def _unwrap(m):
-    while hasattr(m, "module"):
-        m = m.module
-    return m
 
 
 def main(argv=None) -> int:
