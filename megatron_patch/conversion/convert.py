@@ -144,18 +144,17 @@ def _export_tokenizer(cfg: dict, model_info: dict, save_dir: str) -> List[str]:
     return []
 
 
-def _special_token_ids(cfg, vocab: int) -> dict:
-    """bos/eos ids for config.json from the engine's tokenizer (its end-of-document token), so that
-    generate() stops where the engine's documents end; None where the tokenizer cannot be built here."""
+def _end_of_document(cfg, vocab: int) -> Optional[int]:
+    """The engine tokenizer's end-of-document id, which config.json names as bos/eos so that generate()
+    stops where the engine's documents end; None where the tokenizer cannot be built here."""
     from megatron_patch.training.data import tokenizer_from_config
 
     try:
         eod = tokenizer_from_config(cfg).eod
     except Exception as e:  # noqa: BLE001  (the files may be gone: the export stays usable without them)
         print(f"mcore2hf: the run's tokenizer is not available ({e}); config.json names no bos/eos token", flush=True)
-        eod = None
-    eod = eod if eod is not None and 0 <= eod < vocab else None
-    return {"bos_token_id": eod, "eos_token_id": eod}
+        return None
+    return eod if eod is not None and 0 <= eod < vocab else None
 
 
 def mcore2hf(a: argparse.Namespace) -> int:
@@ -186,9 +185,8 @@ def mcore2hf(a: argparse.Namespace) -> int:
         raise ConversionError(f"{a.load_dir}: the {family.TABLE.family} table "
                               + (f"needs {', '.join(missing[:3])}, which the checkpoint lacks" if missing else
                                  f"does not use {', '.join(extra[:3])}: converting would drop them"))
-    hf_config = dict(info.get("hf_config") or family.hf_config(cfg, vocab))
-    if not info.get("hf_config"):  # an engine-native model: its tokenizer's end of document, not a config default
-        hf_config.update(_special_token_ids(cfg, vocab))
+    # a converted model keeps its original config.json; an engine-native one gets its tokenizer's end of document
+    hf_config = dict(info.get("hf_config") or family.hf_config(cfg, vocab, _end_of_document(cfg, vocab)))
     name = a.dtype if a.dtype != "auto" else {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
         info.get("hf_dtype") or "", "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32")
     dtype = getattr(torch, DTYPES[name])

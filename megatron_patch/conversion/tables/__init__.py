@@ -1,5 +1,5 @@
 """One conversion table per model family. Adding a family: a module with TABLE, engine_args(config.json)
-and hf_config(engine config, vocab), registered below under its Hugging Face model_type(s)."""
+and hf_config(engine config, vocab, end-of-document id), registered below under its Hugging Face model_type(s)."""
 from __future__ import annotations
 
 from types import ModuleType

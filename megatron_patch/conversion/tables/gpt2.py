@@ -1,7 +1,7 @@
 """GPT-2 (Hugging Face `GPT2LMHeadModel`) <-> the engine's `gpt` family."""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 from ..mapping import ConversionError, Rule, Table
 from ..transforms import CONV1D_QKV, PAD_VOCAB, TRANSPOSE
@@ -53,8 +53,9 @@ def engine_args(c: Dict) -> Dict:
                 attention_dropout=c.get("attn_pdrop", 0.1), model_vocab_size=c["vocab_size"])
 
 
-def hf_config(cfg, vocab: int) -> Dict:
-    """config.json fields of the engine model `cfg` (a Config or its dict)."""
+def hf_config(cfg, vocab: int, eod: Optional[int]) -> Dict:
+    """config.json fields of the engine model `cfg` (a Config or its dict); `eod`: its tokenizer's
+    end-of-document id, named as bos/eos (None: none)."""
     from transformers import GPT2Config
 
     g = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
@@ -64,5 +65,5 @@ def hf_config(cfg, vocab: int) -> Dict:
                    activation_function="gelu_new" if g("openai_gelu") else "gelu",
                    layer_norm_epsilon=g("norm_epsilon"), resid_pdrop=g("hidden_dropout"), embd_pdrop=g("hidden_dropout"),
                    attn_pdrop=g("attention_dropout"), tie_word_embeddings=not g("untie_embeddings_and_output_weights"),
-                   architectures=["GPT2LMHeadModel"])
+                   bos_token_id=eod, eos_token_id=eod, architectures=["GPT2LMHeadModel"])
     return c.to_dict()

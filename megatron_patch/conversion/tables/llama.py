@@ -3,7 +3,7 @@ the engine's llama/qwen2/mistral families: RoPE, RMSNorm, SwiGLU, grouped-query 
 QKV biases. The three share their tensor names; their configs differ in a few fields."""
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 from ..mapping import ConversionError, Rule, Table
 from ..transforms import FUSE_GATE_UP, FUSE_QKV, PAD_VOCAB
@@ -65,7 +65,8 @@ def engine_args(c: Dict) -> Dict:
                 attention_dropout=c.get("attention_dropout", 0.0), model_vocab_size=c["vocab_size"])
 
 
-def hf_config(cfg, vocab: int) -> Dict:
+def hf_config(cfg, vocab: int, eod: Optional[int]) -> Dict:
+    """config.json fields of the engine model `cfg` (a Config or its dict); `eod` as in gpt2.hf_config."""
     import transformers
 
     g = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
@@ -79,7 +80,7 @@ def hf_config(cfg, vocab: int) -> Dict:
               rms_norm_eps=g("norm_epsilon"), tie_word_embeddings=not g("untie_embeddings_and_output_weights"),
               rope_parameters={"rope_type": "default", "rope_theta": float(g("rotary_base"))},
               attention_dropout=g("attention_dropout"), head_dim=g("kv_channels") or g("hidden_size") // heads,
-              hidden_act="silu", architectures=[arch])
+              hidden_act="silu", bos_token_id=eod, eos_token_id=eod, architectures=[arch])
     if family == "mistral":
         kw["sliding_window"] = None
     return cls(**kw).to_dict()
