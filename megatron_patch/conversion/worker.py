@@ -52,7 +52,7 @@ def hf2mcore(args) -> int:
     model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
     info = model_info(cfg, cfg.model_vocab_size)
     info["hf_dtype"] = args.hf_dtype
-    Checkpointer(cfg, model, None, None, model_info=info).save(TrainState())
+    Checkpointer(cfg, model, None, None, model_info=info).save(TrainState(), consume_model=True)
     return 0
 
 

@@ -92,7 +92,9 @@ def build_transformer_config(cfg: Config) -> TransformerConfig:
         # gloo runs a batch of isend/irecv as independent messages; with PP=2 both directions share one
         # peer and interleaved 1F1B can pair them wrongly. Unbatched p2p orders them by rank parity.
         batch_p2p_comm=on_gpu,
-        perform_initialization=True,
+        # --load-hf overwrites every parameter (its coverage check proves it): a random init first would only
+        # cost time and, on the CPU, a transient fp32 copy of each weight (0.5 GiB for a 32k x 2048 output layer).
+        perform_initialization=not cfg.load_hf,
     )
 
 

@@ -69,7 +69,7 @@ def build_model(cfg: Config, vocab_size: int, for_training: bool = True) -> List
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
             vp_stage=stage,
         )
-        if cfg.init_layout_invariant:
+        if cfg.init_layout_invariant and not cfg.load_hf:
             layout_invariant_init(chunk, cfg.seed, cfg.init_method_std, cfg.swiglu)
         chunks.append(chunk)
     if cfg.load_hf:  # before the wrappers: fp16/bf16 copies, DDP buffers and FSDP shards start from these weights

@@ -84,8 +84,9 @@ class Checkpointer:
             return False
         return stopping or bool(self.cfg.save_interval and iteration % self.cfg.save_interval == 0)
 
-    def save(self, state: TrainState) -> str:
-        """Write checkpoint `state.iteration` under --save; collective (every rank calls it)."""
+    def save(self, state: TrainState, consume_model: bool = False) -> str:
+        """Write checkpoint `state.iteration` under --save; collective (every rank calls it).
+        `consume_model`: the model is not used after this (a conversion); its memory may be freed while saving."""
         root = self.cfg.save
         final = checkpoint_dir(root, state.iteration)
         tmp = final + ".tmp"
@@ -93,7 +94,7 @@ class Checkpointer:
             shutil.rmtree(tmp, ignore_errors=True)
             os.makedirs(tmp)
         dist.barrier()
-        self.backend.save(tmp, self.model, self.optimizer)
+        self.backend.save(tmp, self.model, self.optimizer, consume_model=consume_model)
         dist.barrier()
         if dist.get_rank() == 0:
             model_only = self.optimizer is None

@@ -55,7 +55,8 @@ def _rng_file(path: str) -> str:
     return os.path.join(path, f"rng_pp{k['pp']}_tp{k['tp']}.pt")
 
 
-def save(path: str, model: List, optimizer) -> None:
+def save(path: str, model: List, optimizer, consume_model: bool = False) -> None:
+    # consume_model is a torch_dist matter (views of fc1); DTensor shards own their storage
     dcp.save(_state(model, optimizer, is_loading=False), checkpoint_id=path)
     if mpu.get_data_parallel_rank() == 0:
         torch.save(rng.capture(), _rng_file(path))

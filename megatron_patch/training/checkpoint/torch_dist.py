@@ -10,6 +10,9 @@ from typing import Dict, List
 
 import torch
 from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.dict_utils import nested_values
+from megatron.core.dist_checkpointing.mapping import apply_factories
 
 from megatron_patch.compat.adam_state import fill_empty_adam_state, restore_adam_step
 
@@ -32,10 +35,35 @@ def _model_state(model: List) -> Dict:
     return {f"model{i}": unwrap(m).sharded_state_dict() for i, m in enumerate(model)}
 
 
-def save(path: str, model: List, optimizer) -> None:
+def _own_storage_then_free(state: Dict, model: List) -> None:
+    """Give every tensor of `state` that is a view into a larger storage (the SwiGLU fc1 halves) its own
+    copy, one parameter at a time, and free each parameter once nothing views it any more.
+
+    megatron-core's writer clones such views itself (a view would write its whole storage), but all of
+    them before writing: one more copy of every fc1 on top of the model. A conversion discards its model
+    after saving, so copying layer by layer and freeing the original keeps the peak at one model copy.
+    """
+    apply_factories(state)  # the factories' chunks are the views; save() applies them again as a no-op
+    by_storage: Dict[int, List[ShardedTensor]] = {}
+    for v in nested_values(state):
+        if isinstance(v, ShardedTensor) and v.data is not None:
+            by_storage.setdefault(v.data.untyped_storage().data_ptr(), []).append(v)
+    for m in model:
+        for p in unwrap(m).parameters():
+            views = by_storage.get(p.untyped_storage().data_ptr(), [])
+            if any(v.data.untyped_storage().nbytes() != v.data.numel() * v.data.itemsize for v in views):
+                for v in views:
+                    v.data = v.data.detach().clone()
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def save(path: str, model: List, optimizer, consume_model: bool = False) -> None:
     """Write this rank's part of the checkpoint into `path` (collective). Without an optimizer (a converted
-    model) only the weights are written: no optimizer state, no RNG streams."""
+    model) only the weights are written: no optimizer state, no RNG streams. `consume_model` (a conversion,
+    whose model is not used again) frees parameters while saving, so the peak stays at one model copy."""
     state = _model_state(model)
+    if consume_model:
+        _own_storage_then_free(state, model)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=OPT_METADATA)
         state["rng_state"] = rng.sharded(rng.capture())
