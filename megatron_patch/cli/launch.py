@@ -1,0 +1,66 @@
+"""Starting the workers: `rapidformer` runs torchrun underneath, so the user never calls it.
+
+One worker per visible GPU (CUDA_VISIBLE_DEVICES), or `--nproc-per-node N`; on a machine without a GPU one
+worker, gloo between several. Several nodes use the documented MASTER_ADDR, MASTER_PORT, NNODES and
+NODE_RANK. A single worker on a single node runs in this process (no launcher to pay for).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from typing import List
+
+
+def visible_gpus() -> int:
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def nodes() -> int:
+    return int(os.environ.get("NNODES", "1"))
+
+
+def workers_per_node(requested: int | None) -> int:
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"--nproc-per-node {requested}: give 1 or more")
+        return requested
+    return max(1, visible_gpus())
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def inside_worker() -> bool:
+    """True in a process torchrun started (ours or the user's own torchrun)."""
+    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def torchrun_command(argv: List[str], nproc: int) -> List[str]:
+    multi_node = nodes() > 1
+    port = os.environ.get("MASTER_PORT") or (None if multi_node else str(_free_port()))
+    if multi_node and not (os.environ.get("MASTER_ADDR") and port):
+        raise ValueError("NNODES > 1: set MASTER_ADDR and MASTER_PORT (the first node's address and a free port) "
+                         "and NODE_RANK on every node")
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nodes()}",
+            f"--node-rank={os.environ.get('NODE_RANK', '0')}",
+            f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}", f"--master-port={port}",
+            "-m", "megatron_patch.cli.worker", *argv]
+
+
+def run_workers(argv: List[str], nproc: int) -> int:
+    """Run the workers for `argv` and return the exit status."""
+    if nproc == 1 and nodes() == 1:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        from .worker import main as worker_main
+
+        return worker_main(argv)
+    return subprocess.call(torchrun_command(argv, nproc))

@@ -1,0 +1,121 @@
+"""The front end's own rules (the parameter guide's notes), checked before any worker starts.
+
+`check(args, world_size)` raises UsageError for a command that cannot run, in a sentence naming the flags
+and the fix, and fills in the defaults of flags the guide marks required but the how-to's own commands
+leave out, each named in `args.notes` (printed once, as a log line each).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from .arguments import FINETUNE_TASKS, UsageError
+
+DEFAULT_EPOCHS = 3
+DEFAULT_LR = 5e-5
+DEFAULT_MICRO_BATCH = 8
+
+
+def _note(args: argparse.Namespace, text: str) -> None:
+    args.notes.append(text)
+
+
+def _check_launch(args: argparse.Namespace) -> None:
+    if not args.task and not args.user_script:
+        raise UsageError("give --task (one of sequence_classification, token_classification, question_answering, "
+                         "masked_lm, causal_lm, seq2seq_lm) for black-box fine-tuning, or --user-script FILE for "
+                         "your own Finetuner")
+    if args.user_script and not os.path.isfile(args.user_script):
+        raise UsageError(f"--user-script {args.user_script}: no such file")
+    if args.task == "pretraining" and not args.user_script:
+        raise UsageError("--task pretraining (black-box pretraining with the PreTrainer) is not available yet in "
+                         "this version; fine-tuning tasks are, and Megatron pretraining runs with "
+                         "`bash pretrain_scripts/run_gpt.sh`")
+
+
+def _check_parallelism(args: argparse.Namespace) -> None:
+    finetuning = args.task in FINETUNE_TASKS or args.task is None
+    if not finetuning:
+        return
+    for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
+        if value != 1:
+            raise UsageError(f"{flag} {value}: tensor and pipeline parallelism apply to Megatron models in "
+                             "pretraining (the PreTrainer template); fine-tuning a Hugging Face model is data "
+                             f"parallel. Drop {flag}, or shard the model with --zero-3-memory-optimization")
+    if args.data_iterator == "dynamic-shape":
+        raise UsageError("--data-iterator dynamic-shape belongs to pretraining (the PreTrainer template, as the "
+                         "guide says); fine-tuning already pads each batch to its longest sample: drop the flag")
+    if args.num_experts:
+        raise UsageError(f"--num-experts {args.num_experts}: mixture-of-experts layers are built in Megatron "
+                         "pretraining models, not added to a Hugging Face model being fine-tuned: drop the flag")
+
+
+def _check_schedule(args: argparse.Namespace, world_size: int) -> None:
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters is not None:
+        raise UsageError("--lr-warmup-fraction and --lr-warmup-iters both given: use one")
+    if args.lr is None:
+        args.lr = DEFAULT_LR
+        _note(args, f"--lr not given: using {DEFAULT_LR}")
+    if args.train_iters is None and args.epochs is None:
+        args.epochs = DEFAULT_EPOCHS
+        _note(args, f"neither --train-iters nor --epochs given: training {DEFAULT_EPOCHS} epochs")
+    elif args.train_iters is not None and args.epochs is not None:
+        _note(args, f"--train-iters {args.train_iters} and --epochs {args.epochs}: training stops at whichever "
+                    "comes first")
+    if args.micro_batch_size is None:
+        args.micro_batch_size = DEFAULT_MICRO_BATCH
+        _note(args, f"--micro-batch-size not given: using {DEFAULT_MICRO_BATCH} per worker")
+    per_step = args.micro_batch_size * world_size
+    args.grad_accumulation = 1
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    elif args.epochs is not None and args.train_iters is None:
+        if args.global_batch_size != per_step:
+            _note(args, f"--global-batch-size {args.global_batch_size} is not used in epoch-based fine-tuning "
+                        f"(no gradient accumulation there, as the guide says): each step takes "
+                        f"--micro-batch-size {args.micro_batch_size} x {world_size} workers = {per_step} samples")
+            args.global_batch_size = per_step
+    else:
+        if args.global_batch_size % per_step:
+            raise UsageError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                             f"{args.micro_batch_size} x {world_size} workers = {per_step}: gradient accumulation "
+                             "needs a whole number of micro batches")
+        args.grad_accumulation = args.global_batch_size // per_step
+        if args.grad_accumulation > 1:
+            _note(args, f"gradient accumulation: {args.grad_accumulation} micro batches per step "
+                        f"({args.global_batch_size} = {args.micro_batch_size} x {world_size} workers x "
+                        f"{args.grad_accumulation})")
+
+
+def _check_blackbox(args: argparse.Namespace) -> None:
+    if args.user_script or args.task not in FINETUNE_TASKS:
+        return
+    if not args.pretrained_model_name_or_path:
+        raise UsageError(f"--task {args.task} needs --pretrained-model-name-or-path (a local Hugging Face model "
+                         "directory)")
+    if not args.data_path:
+        raise UsageError(f"--task {args.task} needs --data-path (a directory of train/validation files, a "
+                         "save_to_disk directory, or a dataset in the local Hugging Face cache)")
+    if not args.save:
+        args.save = os.path.join("rapidformer_output", args.task)
+        _note(args, f"--save not given: the model and tokenizer are saved to {args.save}")
+
+
+def check(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Apply the front end's rules to parsed flags for a run of `world_size` workers (see module docstring)."""
+    _check_launch(args)
+    _check_parallelism(args)
+    _check_schedule(args, world_size)
+    _check_blackbox(args)
+    if args.metrics_file is None and args.save:
+        args.metrics_file = os.path.join(args.save, "metrics.jsonl")
+    if args.tensorboard_dir is None and args.save:
+        args.tensorboard_dir = os.path.join(args.save, "tensorboard")
+    from megatron_patch.accelerations import check_combination
+
+    try:
+        check_combination(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    return args

@@ -1,0 +1,24 @@
+"""Black-box fine-tuning: `--task` names a Finetuner subclass that needs no user code."""
+from __future__ import annotations
+
+import argparse
+
+
+def task_class(task: str):
+    from .classification import SequenceClassification
+    from .language_modeling import CausalLM, MaskedLM
+    from .question_answering import QuestionAnswering
+    from .seq2seq import Seq2SeqLM
+    from .token_classification import TokenClassification
+
+    return {"sequence_classification": SequenceClassification, "token_classification": TokenClassification,
+            "question_answering": QuestionAnswering, "masked_lm": MaskedLM, "causal_lm": CausalLM,
+            "casual_lm": CausalLM, "seq2seq_lm": Seq2SeqLM}[task]
+
+
+def run_task(args: argparse.Namespace):
+    """Fine-tune --pretrained-model-name-or-path on --data-path for --task; returns the last validation metrics."""
+    from megatron_patch.templates.engine import RapidformerEngine
+
+    engine = RapidformerEngine(args)
+    return task_class(args.task)(engine).train()

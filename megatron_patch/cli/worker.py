@@ -1,0 +1,34 @@
+"""What every worker runs: the flags parsed again (the same rules, so every rank agrees), then the user's
+script (white box) or the task's black-box Finetuner."""
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+from typing import List, Optional
+
+from megatron_patch.templates.globals import get_logger, set_args
+
+from .arguments import parse_args
+from .rules import check
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = check(parse_args(argv), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    set_args(args)
+    log = get_logger()
+    for note in args.notes:
+        log.info(note)
+    if args.user_script:
+        sys.argv = [args.user_script, *argv]
+        runpy.run_path(args.user_script, run_name="__main__")
+        return 0
+    from .tasks import run_task
+
+    run_task(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

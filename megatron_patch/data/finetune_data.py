@@ -1,0 +1,410 @@
+"""Fine-tuning datasets for the `rapidformer` CLI, loaded offline.
+
+`--data-path` names one of:
+
+* a local directory of split files: `train.*` plus `validation.*` (also `dev.*`, `valid.*`, `val.*`)
+  and optionally `test.*`, each `.jsonl`, `.json`, `.csv` or `.parquet`; sharded files such as
+  `train-00000-of-00002.parquet` (the Hugging Face Hub's parquet layout) count too. The files may sit in
+  the subdirectory `--data-name` (the configuration, e.g. `glue/mrpc/train.jsonl`), in `data/` (the
+  Hub's default layout) or in `--data-dir` (relative to `--data-path`, or an absolute path). A directory
+  without a `--data-name` subdirectory is used as it is, since the parameter guide makes --data-name
+  a required flag;
+* a directory written by `DatasetDict.save_to_disk` (or its subdirectory `--data-name`);
+* a dataset name already in the local Hugging Face cache (`glue` with `--data-name mrpc`), read with
+  offline mode forced: nothing is ever downloaded.
+
+Label names: a split directory may hold `label_names.json`, e.g. `{"label": ["neg", "pos"]}` or
+`{"ner_tags": ["O", "B-CODE", ...]}`; the loader then turns those columns into `ClassLabel`
+(`List(ClassLabel)` for token tags), so `label_names()` returns the names and the stored values are the
+class ids. `task_corpora.write_task_dataset` writes this file.
+"""
+from __future__ import annotations
+
+import contextlib
+import glob
+import json
+import os
+from typing import Iterator
+
+import datasets
+from datasets import ClassLabel, DatasetDict, Features
+
+SPLIT_ALIASES = {
+    "train": ("train",),
+    "validation": ("validation", "valid", "val", "dev"),
+    "test": ("test",),
+}
+BUILDERS = {".jsonl": "json", ".json": "json", ".csv": "csv", ".parquet": "parquet"}
+LABEL_NAMES_FILE = "label_names.json"
+
+FIX_HINT = ("pass --data-path DIR with train/validation/test .jsonl/.json/.csv/.parquet files, or a "
+            "directory saved with DatasetDict.save_to_disk (--data-name is then the configuration/"
+            "subdirectory inside it)")
+
+
+class FinetuneDataError(ValueError):
+    """A fine-tuning dataset cannot be found or used; the message names the flag and the fix."""
+
+
+# ---------------------------------------------------------------------------------------------- loading
+
+
+def load_finetune_dataset(data_path: str, data_name: str | None = None,
+                          data_dir: str | None = None) -> DatasetDict:
+    """Load the train/validation(/test) splits named by `--data-path/--data-name/--data-dir`, offline.
+
+    Returns a DatasetDict with keys `train`, `validation` and, when present, `test` (`dev`/`valid`/`val`
+    are renamed to `validation`). Raises FinetuneDataError when the data cannot be found, when there is
+    no train split, or when there is no validation split (evaluation needs one; nothing is split off
+    silently).
+    """
+    if not data_path:
+        raise FinetuneDataError(f"--data-path is empty: {FIX_HINT}")
+    if os.path.isfile(data_path):
+        raise FinetuneDataError(
+            f"--data-path {data_path!r} is a file; it must be a directory holding train/validation "
+            f"split files: {FIX_HINT}")
+    if os.path.isdir(data_path):
+        base = os.path.join(data_path, data_dir) if data_dir else data_path
+        if not os.path.isdir(base):
+            raise FinetuneDataError(f"--data-dir {data_dir!r}: directory {base!r} does not exist "
+                                    f"(it is taken relative to --data-path {data_path!r})")
+        return _load_local(base, data_name)
+    # --data-path is a name; --data-dir may still point at local files (the parameter guide describes
+    # --data-dir as "where the fine-tuning dataset is stored").
+    if data_dir and os.path.isdir(data_dir):
+        return _load_local(data_dir, data_name)
+    return _load_cached(data_path, data_name, data_dir)
+
+
+def _load_local(base: str, data_name: str | None) -> DatasetDict:
+    # --data-name is a required flag in the parameter guide, so a directory that holds the files itself
+    # is accepted even when no subdirectory of that name exists.
+    folder = base
+    if data_name and os.path.isdir(os.path.join(base, data_name)):
+        folder = os.path.join(base, data_name)
+    elif not _is_saved_dataset_dict(base) and "train" not in _split_files(base) \
+            and os.path.isdir(os.path.join(base, "data")):
+        folder = os.path.join(base, "data")  # the Hugging Face Hub's usual layout: data/train-*.parquet
+    if _is_saved_dataset_dict(folder):
+        try:
+            loaded = datasets.load_from_disk(folder)
+        except Exception as e:  # a truncated or foreign save: say which directory
+            raise FinetuneDataError(f"--data-path: cannot read the saved dataset in {folder!r}: {e}") from e
+        if not isinstance(loaded, DatasetDict):
+            raise FinetuneDataError(
+                f"--data-path {folder!r} holds a single saved Dataset without splits; save a DatasetDict "
+                f"with 'train' and 'validation' splits instead")
+        return _check_splits(_rename_splits(loaded, folder), folder)
+    files = _split_files(folder)
+    if "train" not in files:
+        also = f" and no subdirectory --data-name {data_name!r}" if data_name and folder == base else ""
+        raise FinetuneDataError(
+            f"--data-path: no train split in {folder!r}{also} (expected train.jsonl, train.json, train.csv or "
+            f"train.parquet); files found: {_listing(folder)}. {FIX_HINT[0].upper()}{FIX_HINT[1:]}")
+    loaded = _load_files(files, folder)
+    loaded = _apply_label_names_file(loaded, folder)
+    return _check_splits(loaded, folder)
+
+
+def _is_saved_dataset_dict(folder: str) -> bool:
+    return (os.path.isfile(os.path.join(folder, "dataset_dict.json"))
+            or os.path.isfile(os.path.join(folder, "state.json")))
+
+
+def _split_files(folder: str) -> dict[str, list[str]]:
+    """{split: files} for the split files directly in `folder`; raises on ambiguous layouts."""
+    found: dict[str, list[str]] = {}
+    for split, aliases in SPLIT_ALIASES.items():
+        for alias in aliases:
+            for ext in BUILDERS:
+                paths = [os.path.join(folder, alias + ext)]
+                paths += sorted(glob.glob(os.path.join(glob.escape(folder), f"{alias}-*{ext}")))
+                paths = [p for p in paths if os.path.isfile(p)]
+                if not paths:
+                    continue
+                if split in found:  # e.g. train.jsonl and train.csv, or dev.jsonl and validation.jsonl
+                    names = sorted(os.path.basename(p) for p in found[split] + paths)
+                    raise FinetuneDataError(
+                        f"--data-path {folder!r} has more than one {split} split file: {names}; keep one")
+                found[split] = paths
+    return found
+
+
+def _load_files(files: dict[str, list[str]], folder: str) -> DatasetDict:
+    # One load_dataset call per file format: the json, csv and parquet builders each read one format.
+    by_builder: dict[str, dict[str, list[str]]] = {}
+    for split, paths in files.items():
+        by_builder.setdefault(BUILDERS[os.path.splitext(paths[0])[1]], {})[split] = paths
+    out = DatasetDict()
+    for builder, data_files in by_builder.items():
+        try:
+            with offline_mode():
+                loaded = datasets.load_dataset(builder, data_files=data_files)
+        except Exception as e:  # a broken JSON line or CSV row: name the files, keep datasets' position
+            raise FinetuneDataError(
+                f"--data-path {folder!r}: cannot read {sorted(os.path.basename(p) for v in data_files.values() for p in v)} "
+                f"as {builder}: {e}") from e
+        out.update(loaded)
+    return out
+
+
+def _load_cached(name: str, data_name: str | None, data_dir: str | None) -> DatasetDict:
+    try:
+        with offline_mode():
+            loaded = datasets.load_dataset(name, data_name, data_dir=data_dir)
+    except Exception as e:
+        snapshot = _hub_snapshot(name)
+        if snapshot is not None:  # a dataset repository already in the hub cache, read as files
+            return load_finetune_dataset(snapshot, data_name, data_dir)
+        what = f"--data-path {name!r}" + (f" --data-name {data_name!r}" if data_name else "")
+        raise FinetuneDataError(
+            f"{what}: {name!r} is not a local directory and is not in the local Hugging Face datasets cache "
+            f"({type(e).__name__}: {str(e)[:300]}). Downloading from the Hugging Face Hub is not possible here "
+            f"(offline). Instead, {FIX_HINT}.") from e
+    if not isinstance(loaded, DatasetDict):
+        loaded = DatasetDict({"train": loaded})
+    return _check_splits(_rename_splits(loaded, name), f"{name}" + (f"/{data_name}" if data_name else ""))
+
+
+def _hub_snapshot(name: str) -> str | None:
+    """The local snapshot directory of hub dataset repository `name`, if the hub cache has one."""
+    try:
+        import huggingface_hub
+
+        with offline_mode():
+            return huggingface_hub.snapshot_download(repo_id=name, repo_type="dataset", local_files_only=True)
+    except Exception:
+        return None
+
+
+@contextlib.contextmanager
+def offline_mode() -> Iterator[None]:
+    """Force datasets and huggingface_hub offline for the duration: no request leaves the machine.
+
+    Both libraries read HF_HUB_OFFLINE once at import, so the module constants are switched as well as the
+    environment (the environment covers subprocesses and libraries imported later).
+    """
+    import huggingface_hub.constants as hub_constants
+
+    saved_env = {k: os.environ.get(k) for k in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")}
+    saved = (datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, hub_constants.HF_HUB_OFFLINE)
+    os.environ.update({"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"})
+    datasets.config.HF_HUB_OFFLINE = datasets.config.HF_DATASETS_OFFLINE = hub_constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, datasets.config.HF_DATASETS_OFFLINE, hub_constants.HF_HUB_OFFLINE = saved
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _rename_splits(dd: DatasetDict, where: str) -> DatasetDict:
+    out = DatasetDict()
+    for key, ds in dd.items():
+        split = next((s for s, aliases in SPLIT_ALIASES.items() if key in aliases), key)
+        if split in out:
+            raise FinetuneDataError(f"--data-path {where!r} has two {split} splits: {sorted(dd)}; keep one")
+        out[split] = ds
+    return out
+
+
+def _check_splits(dd: DatasetDict, where: str) -> DatasetDict:
+    if "train" not in dd:
+        raise FinetuneDataError(f"--data-path {where!r}: no train split (splits found: {sorted(dd)})")
+    if "validation" not in dd:
+        raise FinetuneDataError(
+            f"--data-path {where!r}: no validation split (splits found: {sorted(dd)}). Evaluation needs one: "
+            f"add validation.jsonl (or dev.jsonl, .json/.csv/.parquet) next to the train file; "
+            f"it is not split off the training data silently")
+    return DatasetDict({k: dd[k] for k in ("train", "validation", "test") if k in dd})
+
+
+def _listing(folder: str) -> list[str]:
+    try:
+        return sorted(os.listdir(folder))[:30]
+    except OSError:
+        return []
+
+
+# ------------------------------------------------------------------------------------------ label names
+
+
+def _apply_label_names_file(dd: DatasetDict, folder: str) -> DatasetDict:
+    path = os.path.join(folder, LABEL_NAMES_FILE)
+    if not os.path.isfile(path):
+        return dd
+    try:
+        with open(path, encoding="utf-8") as f:
+            spec = json.load(f)
+        assert isinstance(spec, dict) and all(
+            isinstance(v, list) and all(isinstance(n, str) for n in v) for v in spec.values())
+    except (ValueError, AssertionError) as e:
+        raise FinetuneDataError(f"{path}: expected a JSON object {{column: [class names...]}}") from e
+    for column, names in spec.items():
+        if column in dd["train"].column_names:
+            dd = _to_class_label(dd, column, names, path)
+    return dd
+
+
+def _to_class_label(dd: DatasetDict, column: str, names: list[str], origin: str,
+                    by_name: bool = False) -> DatasetDict:
+    """Cast `column` (ints or names; or lists of them) to ClassLabel(names) in every split.
+
+    Ints are class ids, strings names; with `by_name` every value is looked up as `str(value)`."""
+    index = {n: i for i, n in enumerate(names)}
+
+    def to_id(v):
+        if by_name or isinstance(v, str):
+            v = str(v)
+            if v not in index:
+                raise FinetuneDataError(f"{origin}: label {v!r} of column {column!r} is not one of {names}")
+            return index[v]
+        if not 0 <= int(v) < len(names):
+            raise FinetuneDataError(f"{origin}: label id {v} of column {column!r} is outside 0..{len(names) - 1}")
+        return int(v)
+
+    out = DatasetDict()
+    for split, ds in dd.items():
+        feature = ds.features[column]
+        nested = hasattr(feature, "feature")
+        features = Features(ds.features)
+        features[column] = datasets.List(ClassLabel(names=names)) if nested else ClassLabel(names=names)
+        out[split] = ds.map(
+            lambda b: {column: [[to_id(v) for v in row] if nested else to_id(row) for row in b[column]]},
+            batched=True, features=features)
+    return out
+
+
+def label_names(dataset_dict: DatasetDict, label_column: str) -> list[str] | None:
+    """Class names for `label_column`, index = class id; None for a regression (float) column.
+
+    From a `ClassLabel` or `List/Sequence(ClassLabel)` feature when there is one (e.g. written with
+    `label_names.json`); otherwise the sorted distinct values of the train split (lists are flattened),
+    as strings: ints sort numerically (`[1, 2, 10]` -> `["1", "2", "10"]`). With plain values the id of a
+    raw label `v` is `names.index(str(v))`; `encode_labels` does this mapping for you.
+    """
+    train = dataset_dict["train"]
+    if label_column not in train.column_names:
+        raise FinetuneDataError(f"--label-column {label_column!r} is not a column; columns: {train.column_names}")
+    feature = train.features[label_column]
+    inner = getattr(feature, "feature", feature)
+    if isinstance(inner, ClassLabel):
+        return list(inner.names)
+    dtype = getattr(inner, "dtype", None)
+    if dtype is not None and dtype.startswith("float"):
+        return None
+    values = set()
+    for v in train[label_column]:
+        values.update(v if isinstance(v, list) else [v])
+    values.discard(None)
+    return [str(v) for v in sorted(values)]
+
+
+def encode_labels(dataset_dict: DatasetDict, label_column: str) -> tuple[DatasetDict, list[str] | None]:
+    """Make `label_column` hold class ids (ClassLabel) in every split; return (datasets, names).
+
+    Names come from `label_names`; a validation/test label missing from train raises FinetuneDataError.
+    Float (regression) columns are returned unchanged with names None.
+    """
+    names = label_names(dataset_dict, label_column)
+    inner = getattr(dataset_dict["train"].features[label_column], "feature",
+                    dataset_dict["train"].features[label_column])
+    if names is None or isinstance(inner, ClassLabel):
+        return dataset_dict, names
+    # Plain ints/strings: the id of a value is the position of str(value) in the sorted names.
+    return _to_class_label(dataset_dict, label_column, names, f"--label-column {label_column!r}", by_name=True), names
+
+
+# --------------------------------------------------------------------------------------------- columns
+
+TASKS = ("sequence_classification", "token_classification", "question_answering", "masked_lm",
+         "casual_lm", "causal_lm", "seq2seq_lm")
+_PAIRS = (("sentence1", "sentence2"), ("question", "sentence"), ("question1", "question2"),
+          ("premise", "hypothesis"), ("sentence_a", "sentence_b"))
+_SINGLES = ("sentence", "text", "content", "review")
+_LABELS = ("label", "labels")
+_TOKENS = ("tokens", "words")
+_TAGS = ("ner_tags", "tags", "labels", "pos_tags")
+_LM_TEXT = ("text", "content", "sentence", "document")
+_SEQ2SEQ = (("source", "target"), ("document", "summary"), ("article", "highlights"), ("input", "output"),
+            ("text", "summary"), ("src", "tgt"))
+
+
+def find_columns(task: str, column_names: list[str], text_columns: list[str] | None = None,
+                 label_column: str | None = None) -> dict:
+    """The columns a task reads, found by their usual names; `--text-columns/--label-column` override.
+
+    Returns, by task:
+      sequence_classification  {"text": [one or two names], "label": name}
+      token_classification     {"tokens": name, "tags": name}      (text_columns[0] / label_column override)
+      question_answering       {"question", "context", "answers"}  (text_columns = [question, context],
+                                                                     label_column = answers)
+      masked_lm, casual_lm, causal_lm  {"text": name}
+      seq2seq_lm               {"source": name, "target": name}    (text_columns = [source] or [source, target],
+                                                                     label_column = target)
+    Raises FinetuneDataError naming the task, the columns present and the flags to pass.
+    """
+    if task not in TASKS:
+        raise FinetuneDataError(f"--task {task!r} has no fine-tuning columns; choose one of {list(TASKS)}")
+    cols = list(column_names)
+    for name in text_columns or []:
+        if name not in cols:
+            raise FinetuneDataError(f"--text-columns: column {name!r} does not exist; columns available: {cols}")
+    if label_column is not None and label_column not in cols:
+        raise FinetuneDataError(f"--label-column: column {label_column!r} does not exist; columns available: {cols}")
+    text = list(text_columns or [])
+
+    def first(candidates, what: str, flag: str) -> str:
+        for c in candidates:
+            if c in cols:
+                return c
+        raise FinetuneDataError(
+            f"--task {task}: no {what} column among {cols} (looked for {list(candidates)}); name it with {flag}")
+
+    def at_most(n: int, meaning: str) -> None:
+        if len(text) > n:
+            raise FinetuneDataError(f"--text-columns: --task {task} takes at most {n} ({meaning}), got {text}")
+
+    if task == "sequence_classification":
+        at_most(2, "one text column, or two for sentence pairs")
+        if not text:
+            text = next(([a, b] for a, b in _PAIRS if a in cols and b in cols), None) or \
+                [first(_SINGLES, "text", "--text-columns")]
+        return {"text": text, "label": label_column or first(_LABELS, "label", "--label-column")}
+    if task == "token_classification":
+        at_most(1, "the tokens column")
+        tokens = text[0] if text else first(_TOKENS, "tokens", "--text-columns")
+        return {"tokens": tokens, "tags": label_column or first(_TAGS, "tag", "--label-column")}
+    if task == "question_answering":
+        at_most(2, "question and context")
+        question = text[0] if text else first(("question",), "question", "--text-columns")
+        context = text[1] if len(text) > 1 else first(("context",), "context", "--text-columns")
+        return {"question": question, "context": context,
+                "answers": label_column or first(("answers",), "answers", "--label-column")}
+    if task == "seq2seq_lm":
+        at_most(2, "source and target")
+        if len(text) == 2:
+            if label_column is not None and label_column != text[1]:
+                raise FinetuneDataError(f"--text-columns {text} already names the target; "
+                                        f"--label-column {label_column!r} disagrees")
+            return {"source": text[0], "target": text[1]}
+        if text or label_column:
+            source = text[0] if text else next((s for s, t in _SEQ2SEQ if s in cols), None)
+            target = label_column or next((t for s, t in _SEQ2SEQ if s == source and t in cols), None)
+            if source is None or target is None:
+                raise FinetuneDataError(f"--task {task}: name both the source (--text-columns) and the target "
+                                        f"(--label-column); columns available: {cols}")
+            return {"source": source, "target": target}
+        pair = next(((s, t) for s, t in _SEQ2SEQ if s in cols and t in cols), None)
+        if pair is None:
+            raise FinetuneDataError(
+                f"--task {task}: no source/target columns among {cols} (looked for {list(_SEQ2SEQ)}); "
+                f"name them with --text-columns SOURCE TARGET (or --text-columns SOURCE --label-column TARGET)")
+        return {"source": pair[0], "target": pair[1]}
+    # masked_lm, casual_lm (the parameter guide's spelling), causal_lm
+    at_most(1, "the text column")
+    return {"text": text[0] if text else first(_LM_TEXT, "text", "--text-columns")}

@@ -1,0 +1,76 @@
+"""RapidformerEngine: the process group, the device, the seed, and `compose()` for users' own loops."""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+from functools import partial
+from typing import Callable, Optional, Tuple
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from .globals import get_args, get_logger
+from .schedule import build_scheduler
+
+
+def _init_distributed() -> torch.device:
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
+    return device
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+class RapidformerEngine:
+    """Sets up a run from the `rapidformer` flags: joins the workers' process group (NCCL on GPUs, gloo on
+    the CPU), picks this worker's device and seeds every generator with --seed.
+
+    `compose(model_obj, optimizer=None, lr_scheduler_fn=None)` applies the acceleration switches to a
+    model for a loop the user keeps (the how-to's custom-Trainer section)."""
+
+    def __init__(self, args: Optional[argparse.Namespace] = None) -> None:
+        self.args = args if args is not None else get_args()
+        self.device = _init_distributed()
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        set_seed(self.args.seed)
+        self.precision = None  # set by compose()/the templates: autocast and loss scaling
+
+    def compose(self, model_obj: torch.nn.Module, optimizer: Optional[torch.optim.Optimizer] = None,
+                lr_scheduler_fn: Optional[Callable] = None) -> Tuple[torch.nn.Module, torch.optim.Optimizer, object]:
+        """Accelerate `model_obj` for the caller's own loop: returns (model, optimizer, lr_scheduler).
+
+        The optimizer is built from --optimizers when not given (apex's fused Adam/LAMB when installed);
+        `lr_scheduler_fn(optimizer)` builds the scheduler (e.g. a `partial` of transformers'
+        get_linear_schedule_with_warmup); without it, --lr-decay-style over --train-iters. Mixed precision
+        needs the loop's help: see the log line, and use `engine.precision.autocast()`/`.backward(loss)`/`.step()`."""
+        from megatron_patch.accelerations import accelerate
+
+        acc = accelerate(model_obj.to(self.device), self.args, self.device, optimizer)
+        self.precision = acc.precision
+        log = get_logger()
+        for line in acc.applied:
+            log.info(f"acceleration: {line}")
+        if self.args.mixed_precision or self.args.bf16:
+            log.info("compose(): mixed precision needs your loop's help: run the forward pass inside "
+                     "`with engine.precision.autocast():`, call `engine.precision.backward(loss)` instead of "
+                     "loss.backward(), and `engine.precision.step(optimizer, model, args.clip_grad)` instead of "
+                     "optimizer.step() (it unscales, clips and skips steps with inf/nan gradients under fp16)")
+        if lr_scheduler_fn is not None:
+            scheduler = lr_scheduler_fn(acc.optimizer)
+        else:
+            scheduler = build_scheduler(self.args, acc.optimizer, total_steps=self.args.train_iters or 1)
+        return acc.model, acc.optimizer, scheduler

@@ -1,0 +1,189 @@
+"""The Finetuner template: subclass it, implement four methods, and `train()` does the rest.
+
+Hooks (the how-to's white-box section):
+- `train_valid_test_datasets_provider()` -> train, valid, test datasets and a collate_fn (or None);
+- `model_optimizer_lr_scheduler_provider()` -> model, optimizer or None, lr scheduler or None;
+- `run_forward_step(batch, model)` -> the loss of one batch;
+- `run_compute_metrics(model, eval_dataloader)` -> a dict of metrics; `model` is a list (one entry), as in
+  the document.
+`train()` applies the acceleration switches, runs the epochs (or --train-iters steps) with gradient
+accumulation, evaluates after every epoch, reports, and saves with `save_pretrained` to --save.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .data import DeviceLoader, GatherState, build_loader, gather
+from .engine import RapidformerEngine
+from .globals import get_logger
+from .reporting import MetricsReporter
+from .saving import save_pretrained
+from .schedule import build_scheduler
+
+
+class Finetuner:
+    """Base class of white-box fine-tuning scripts; the black-box tasks are subclasses too."""
+
+    def __init__(self, engine: RapidformerEngine) -> None:
+        self.engine = engine
+        self.args = engine.args
+        self.device = engine.device
+        self.tokenizer = None  # set by subclasses that have one; the default collate pads with it
+        self._gather_state = GatherState()
+        self.model: Optional[torch.nn.Module] = None
+
+    # ---- the four hooks ---------------------------------------------------------------------------------
+    def train_valid_test_datasets_provider(self) -> Tuple[Any, Any, Any, Optional[Callable]]:
+        raise NotImplementedError("implement train_valid_test_datasets_provider() -> train, valid, test, collate_fn")
+
+    def model_optimizer_lr_scheduler_provider(self) -> Tuple[torch.nn.Module, Any, Any]:
+        raise NotImplementedError("implement model_optimizer_lr_scheduler_provider() -> model, optimizer or None, "
+                                  "lr_scheduler or None")
+
+    def run_forward_step(self, batch: Any, model: torch.nn.Module) -> torch.Tensor:
+        raise NotImplementedError("implement run_forward_step(batch, model) -> loss")
+
+    def run_compute_metrics(self, model: List[torch.nn.Module], eval_dataloader) -> Dict[str, float]:
+        raise NotImplementedError("implement run_compute_metrics(model, eval_dataloader) -> dict of metrics")
+
+    # ---- services for the hooks and for users' own loops ---------------------------------------------------
+    def build_data_loader(self, dataset, batch_size: Optional[int] = None, shuffle: bool = False,
+                          collate_fn: Optional[Callable] = None, drop_last: bool = False) -> DeviceLoader:
+        """A DataLoader over this worker's share of `dataset` (data parallel), whose batches arrive on the
+        device. Without `collate_fn` it pads each batch to its longest sample with the model's tokenizer
+        (--pretrained-model-name-or-path)."""
+        if collate_fn is None:
+            collate_fn = self._default_collate()
+        return build_loader(dataset, batch_size or self.args.micro_batch_size, shuffle, collate_fn, self.args.seed,
+                            self.device, self._gather_state, self.args.num_workers, drop_last)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every worker's `tensor` for the current evaluation batch, in dataset order (padding repeats dropped)."""
+        return gather(tensor, self._gather_state)
+
+    def _default_collate(self) -> Callable:
+        from transformers import AutoTokenizer, DataCollatorWithPadding
+
+        if self.tokenizer is None:
+            if not self.args.pretrained_model_name_or_path:
+                raise ValueError("build_data_loader() without a collate_fn pads with the model's tokenizer: give "
+                                 "--pretrained-model-name-or-path, or pass collate_fn")
+            self.tokenizer = AutoTokenizer.from_pretrained(self.args.pretrained_model_name_or_path)
+        return DataCollatorWithPadding(self.tokenizer)
+
+    # ---- the loop ---------------------------------------------------------------------------------------
+    def _accelerate(self):
+        from megatron_patch.accelerations import accelerate
+
+        model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
+        acc = accelerate(model.to(self.device), self.args, self.device, optimizer)
+        for line in acc.applied:
+            get_logger().info(f"acceleration: {line}")
+        if scheduler is not None and getattr(scheduler, "optimizer", None) is not acc.optimizer:
+            get_logger().warning("the lr scheduler from model_optimizer_lr_scheduler_provider() drives the optimizer "
+                                 "as it was before the acceleration switches rebuilt it: using --lr-decay-style instead")
+            scheduler = None
+        return acc, scheduler
+
+    def _no_sync(self, model: torch.nn.Module, sync: bool):
+        import contextlib
+
+        if sync:
+            return contextlib.nullcontext()
+        if hasattr(model, "no_sync"):
+            return model.no_sync()
+        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+            model.set_requires_gradient_sync(False)
+            return _RestoreSync(model)
+        return contextlib.nullcontext()
+
+    def evaluate(self, loader, model: torch.nn.Module) -> Dict[str, float]:
+        model.eval()
+        try:
+            with torch.no_grad(), self.precision.autocast():
+                return self.run_compute_metrics([model], loader)
+        finally:
+            model.train()
+
+    def train(self) -> Dict[str, float]:
+        """Fine-tune: epochs of --micro-batch-size batches per worker (or --train-iters optimizer steps, with
+        gradient accumulation up to --global-batch-size), an evaluation after every epoch, the model saved to
+        --save. Returns the last validation metrics."""
+        args, log = self.args, get_logger()
+        train_ds, valid_ds, test_ds, collate_fn = self.train_valid_test_datasets_provider()
+        acc, scheduler = self._accelerate()
+        model, optimizer, self.precision = acc.model, acc.optimizer, acc.precision
+        self.engine.precision = acc.precision
+        self.model = model
+        train_loader = self.build_data_loader(train_ds, shuffle=True, collate_fn=collate_fn, drop_last=False)
+        eval_collate = getattr(self, "eval_collate_fn", None) or collate_fn
+        valid_loader = self.build_data_loader(valid_ds, collate_fn=eval_collate) if valid_ds is not None else None
+        accum = args.grad_accumulation
+        steps_per_epoch = max(1, len(train_loader) // accum)
+        epochs = args.epochs or math.ceil(args.train_iters / steps_per_epoch)
+        total = min(args.train_iters or epochs * steps_per_epoch, epochs * steps_per_epoch)
+        if scheduler is None:
+            scheduler = build_scheduler(args, optimizer, total)
+        log.info(f"training: {len(train_ds)} samples, {epochs} epoch(s), {total} optimizer steps of "
+                 f"{args.global_batch_size} samples ({args.micro_batch_size} per worker x "
+                 f"{self.engine.world_size} worker(s) x {accum} accumulation)")
+        reporter = MetricsReporter(args, self.engine.rank)
+        if args.eval_at_start and valid_loader is not None:
+            reporter.evaluation(0, 0, "validation", self.evaluate(valid_loader, model))
+        step, metrics = 0, {}
+        for epoch in range(1, epochs + 1):
+            if hasattr(train_loader.sampler, "set_epoch"):
+                train_loader.sampler.set_epoch(epoch)
+            usable = steps_per_epoch * accum  # a trailing part of an accumulation is not a step
+            with reporter.progress(min(steps_per_epoch, total - step), f"epoch {epoch}/{epochs}") as bar:
+                for micro, batch in enumerate(train_loader):
+                    if micro >= usable or step >= total:
+                        break
+                    boundary = (micro + 1) % accum == 0
+                    with self._no_sync(model, boundary):
+                        with self.precision.autocast():
+                            loss = self.run_forward_step(batch, model)
+                        self.precision.backward(loss / accum)
+                    reporter.add_loss(loss.detach(), batch)
+                    if not boundary:
+                        continue
+                    grad_norm, skipped = self.precision.step(optimizer, model, args.clip_grad)
+                    optimizer.zero_grad(set_to_none=True)
+                    if not skipped:
+                        scheduler.step()
+                    step += 1
+                    bar.update(1)
+                    reporter.step(step, total, epoch, scheduler.get_last_lr()[0], grad_norm, skipped)
+            if valid_loader is not None:
+                metrics = self.evaluate(valid_loader, model)
+                reporter.evaluation(epoch, step, "validation", metrics)
+            if step >= total:
+                break
+        self.after_training(model, test_ds, collate_fn, reporter, epoch, step)
+        reporter.close()
+        if args.save:
+            save_pretrained(model, args.save, self.tokenizer)
+            log.info(f"saved the model{' and tokenizer' if self.tokenizer is not None else ''} to {args.save} "
+                     "(save_pretrained)")
+        return metrics
+
+    def after_training(self, model, test_ds, collate_fn, reporter, epoch: int, step: int) -> None:
+        """Called once training ends, before saving; the black-box tasks evaluate a labelled test split here."""
+
+
+class _RestoreSync:
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.set_requires_gradient_sync(True)
