@@ -18,13 +18,18 @@ bf16 autocast over fp32 weights, DataLoader in the main process (--num-workers):
     rf_compile         --bf16 --torch-compile
     rf_ckpt            --bf16 --checkpoint-activations
 Every arm's clock runs from the start of forward step --warmup to the start of forward step --warmup + --steps
-(torch.cuda.synchronize at both ends), so the window holds --steps whole steps: forward, backward, clip,
-optimizer, scheduler, the framework's per-step bookkeeping and the fetch of the next batch. Both frameworks
+(torch.cuda.synchronize at both ends, and once in the middle: the table's two halves show an arm still
+warming up), so the window holds --steps whole steps: forward, backward, clip, optimizer, scheduler, the
+framework's per-step bookkeeping and the fetch of the next batch. With lengths 16-256 and batch 32 about 27
+padded lengths occur, and a compiled arm was seen to speed up after the window (see RESULTS.md): give the
+compile arms --warmup 100 or more. Both frameworks
 draw the same permutation of the same samples (checked: the padded lengths of the batches are compared).
 The eager arms (trainer, rf) then run --profile-steps steps under torch.profiler: GPU busy share, time per
 kernel class, the top kernels and the top CPU operators, written to <out>/<arm>.log.
 
 Prints one table last; per-arm logs and JSON results go to --out (default $OUT, else /tmp/bench_finetune).
+--time-budget bounds the whole run (arms run in --arms order; one that would start too late is skipped).
+Figures and notes: benchmarks/RESULTS.md, "Fine-tuning throughput".
 """
 from __future__ import annotations
 
@@ -38,7 +43,7 @@ import time
 from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL_ARMS = ["trainer", "trainer_compile", "rf", "rf_compile", "rf_ckpt"]
+ALL_ARMS = ["trainer", "rf", "trainer_compile", "rf_compile", "rf_ckpt"]
 RF_FLAGS = {"rf": [], "rf_compile": ["--torch-compile"], "rf_ckpt": ["--checkpoint-activations"]}
 PROFILED = ("trainer", "rf")
 CLS, SEP, PAD = 101, 102, 0
@@ -46,7 +51,8 @@ CLS, SEP, PAD = 101, 102, 0
 
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tiny", action="store_true", help="2 layers, hidden 64, 4 heads, lengths up to 64, 5+10 steps (smoke test)")
+    p.add_argument("--tiny", action="store_true",
+                   help="2 layers, hidden 64, 4 heads, lengths up to 64, 5+10 steps (smoke test)")
     p.add_argument("--arms", default=",".join(ALL_ARMS), help=f"comma list of {ALL_ARMS}")
     p.add_argument("--warmup", type=int, default=30, help="untimed steps (compilation happens here)")
     p.add_argument("--steps", type=int, default=100, help="timed steps")
@@ -61,6 +67,8 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda when available)")
     p.add_argument("--out", default=None, help="logs and results (default $OUT, else /tmp/bench_finetune)")
     p.add_argument("--arm-timeout", type=int, default=400, help="seconds before an arm's subprocess is killed")
+    p.add_argument("--time-budget", type=float, default=None,
+                   help="seconds for all arms together: an arm gets what is left (arms in --arms order)")
     p.add_argument("--arm", help=argparse.SUPPRESS)      # child mode: run this one arm
     p.add_argument("--result", help=argparse.SUPPRESS)   # child mode: write its JSON here
     a = p.parse_args(argv)
@@ -141,7 +149,7 @@ class Clock:
     def __init__(self, a, device, profile: bool) -> None:
         self.a, self.device, self.profile = a, device, profile
         self.k = 0
-        self.t0 = self.t1 = None
+        self.t0 = self.t1 = self.t_mid = None
         self.seq: List[int] = []
         self.losses: List = []
         self.prof = None
@@ -162,9 +170,14 @@ class Clock:
         if k == a.warmup:
             self.sync()
             self.t0 = time.perf_counter()
+            self.graphs0 = compiled_graphs()
+        elif k == a.warmup + a.steps // 2 and a.steps >= 2:
+            self.sync()  # one extra sync in the window: the halves show an arm still warming up
+            self.t_mid = time.perf_counter()
         elif k == a.warmup + a.steps:
             self.sync()
             self.t1 = time.perf_counter()
+            self.graphs_in_window = compiled_graphs() - self.graphs0
             if self.device.type == "cuda":
                 self.peak = torch.cuda.max_memory_allocated(self.device)
             if self.profile and a.profile_steps:
@@ -193,22 +206,34 @@ class Clock:
         flops = sum(a.batch * s * (6 * n_lin + 12 * L * h * s) for s in timed)
         dt = self.t1 - self.t0
         losses = torch.stack([x.float() for x in self.losses[:a.warmup + a.steps]]).cpu().tolist()
-        r = {"arm": arm, "seconds": dt, "samples_per_s": a.steps * a.batch / dt, "tokens_per_s": tokens / dt,
-             "tflops": flops / dt / 1e12, "mean_padded_len": tokens / a.batch / a.steps, "peak_mem_gib": self.peak / 2**30,
+        half = a.steps // 2
+        halves = ([half * a.batch / (self.t_mid - self.t0), (a.steps - half) * a.batch / (self.t1 - self.t_mid)]
+                  if self.t_mid else [])
+        r = {"arm": arm, "seconds": dt, "samples_per_s": a.steps * a.batch / dt, "samples_per_s_halves": halves,
+             "tokens_per_s": tokens / dt, "tflops": flops / dt / 1e12, "mean_padded_len": tokens / a.batch / a.steps,
+             "peak_mem_gib": self.peak / 2**30,
              "final_loss": sum(losses[-10:]) / len(losses[-10:]), "first_loss": losses[0],
-             "warmup_s": self.t0 - self.t_start, "batch_lengths": collator.lengths[:a.total_steps],
+             "warmup_s": self.t0 - self.t_start, "graphs_compiled_in_window": self.graphs_in_window,
+             "graphs_compiled": compiled_graphs(), "batch_lengths": collator.lengths[:a.total_steps],
              "params": sum(p.numel() for p in model.parameters()), **extra}
         if self.prof is not None:
             r["profile"] = summarize_profile(self.prof, a.profile_steps, self.prof_wall)
         return r
 
 
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built so far in this process (a recompile inside the timed window shows here)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 def summarize_profile(prof, steps: int, wall: float) -> Dict:
     """GPU busy share, GPU time by kernel class, top kernels, top CPU operators and syncs, per step."""
     from torch.autograd import DeviceType
 
-    classes = [("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "sm90_")),
-               ("attention", ("fmha", "attention", "flash", "efficient", "mem_eff")),
+    classes = [("attention", ("fmha", "attention", "flash", "efficient", "mem_eff", "sdpa")),  # before gemm: cuDNN's
+               ("gemm", ("gemm", "cutlass", "nvjet", "xmma", "cublas", "matmul", "sm90_")),    # SDPA names hold sm90_
                ("optimizer", ("adam", "multi_tensor", "foreach", "norm_kernel", "l2norm")),
                ("layernorm", ("layer_norm",)), ("dropout/rng", ("dropout", "bernoulli", "philox")),
                ("softmax/loss", ("softmax", "nll", "cross_entropy")),
@@ -219,6 +244,8 @@ def summarize_profile(prof, steps: int, wall: float) -> Dict:
     n_kernels, gpu_us = 0, 0.0
     cpu_sync_us, n_launch = 0.0, 0
     for e in prof.events():
+        if getattr(e, "is_user_annotation", False):
+            continue  # record_function ranges drawn on the GPU timeline (Optimizer.step#AdamW.step): no kernels
         if e.device_type == DeviceType.CUDA:
             us = e.time_range.elapsed_us()
             gpu_us += us
@@ -400,7 +427,15 @@ def main(argv: Optional[List[str]] = None) -> int:
                PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
     passthrough = [x for x in (argv if argv is not None else sys.argv[1:])]
     results: Dict[str, Dict] = {}
+    deadline = time.perf_counter() + a.time_budget if a.time_budget else None
     for arm in arms:
+        limit = a.arm_timeout
+        if deadline is not None:
+            limit = min(limit, deadline - time.perf_counter())
+            if limit < 20:
+                results[arm] = {"arm": arm, "error": "not run: --time-budget spent", "process_s": 0.0}
+                print(f"[bench_finetune] {arm}: skipped, --time-budget spent", flush=True)
+                continue
         res, log = os.path.join(out, f"{arm}.json"), os.path.join(out, f"{arm}.log")
         cmd = [sys.executable, os.path.abspath(__file__), *passthrough, "--arm", arm, "--result", res]
         t = time.perf_counter()
@@ -408,9 +443,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         try:
             with open(log, "w") as f:
                 rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                    timeout=a.arm_timeout).returncode
+                                    timeout=limit).returncode
         except subprocess.TimeoutExpired:
-            rc = "timeout"
+            rc = f"timeout after {limit:.0f} s"
         wall = time.perf_counter() - t
         if rc == 0 and os.path.exists(res):
             with open(res) as f:
@@ -452,17 +487,20 @@ def table(a, results: Dict[str, Dict]) -> str:
     ref = ok.get("trainer") or ok.get("trainer_compile")
     trainer_best = max([ok[k]["samples_per_s"] for k in ("trainer", "trainer_compile") if k in ok] or [0.0])
     lines.append("")
-    lines.append("| arm | samples/s | x Trainer best | tokens/s (padded) | TFLOP/s | peak mem GiB | final loss "
-                 "(last 10) | warm-up s | same batches as trainer |")
-    lines.append("|---|---|---|---|---|---|---|---|---|")
+    lines.append("| arm | samples/s | 1st / 2nd half | x Trainer best | tokens/s (padded) | TFLOP/s | peak mem GiB | "
+                 "final loss (last 10) | warm-up s | graphs compiled (in window) | same batches as trainer |")
+    lines.append("|---|---|---|---|---|---|---|---|---|---|---|")
     for arm, r in results.items():
         if "error" in r:
-            lines.append(f"| {arm} | FAILED ({r['error']}) | | | | | | | |")
+            lines.append(f"| {arm} | FAILED ({r['error']}) | | | | | | | | | |")
             continue
         same = "-" if ref is None or r is ref else ("yes" if r["batch_lengths"] == ref["batch_lengths"] else "NO")
         ratio = f"{r['samples_per_s'] / trainer_best:.2f}x" if trainer_best else "-"
-        lines.append(f"| {arm} | {r['samples_per_s']:.1f} | {ratio} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "
-                     f"{r['peak_mem_gib']:.2f} | {r['final_loss']:.4f} | {r['warmup_s']:.1f} | {same} |")
+        halves = " / ".join(f"{x:.0f}" for x in r.get("samples_per_s_halves", [])) or "-"
+        lines.append(f"| {arm} | {r['samples_per_s']:.1f} | {halves} | {ratio} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['tflops']:.1f} | "
+                     f"{r['peak_mem_gib']:.2f} | {r['final_loss']:.4f} | {r['warmup_s']:.1f} | "
+                     f"{r['graphs_compiled']} ({r['graphs_compiled_in_window']}) | {same} |")
     if ok:
         lens = [r["mean_padded_len"] for r in ok.values()]
         lines.append(f"\nmean padded length of the timed batches: {min(lens):.1f}-{max(lens):.1f}; TFLOP/s counts "
