@@ -145,3 +145,23 @@ def test_custom_loop_sample_runs(tmp_path):
                        "--micro-batch-size", "16", "--nproc-per-node", "2", "--zero-1-memory-optimization")
     assert proc.returncode == 0, explain(proc)
     assert "ZeRO-1" in proc.stdout and "validation accuracy" in proc.stdout and "over 40 samples" in proc.stdout
+
+
+@pytest.mark.slow
+def test_howto_black_box_command_with_onnx_runtime(tmp_path):
+    """The how-to's black-box command as written (local paths): fp16, ONNX Runtime and ZeRO-1 on 2 workers.
+    Needs the optional extra `onnxruntime-training-cpu`; its C++ extensions build on first use (minutes)."""
+    from megatron_patch.accelerations import ort_available
+
+    if not ort_available():
+        pytest.skip("the optional extra onnxruntime-training-cpu==1.19.2 is not installed")
+    data, model = _pairs_and_model(tmp_path)
+    proc = rapidformer("--task", "sequence_classification", "--pretrained-model-name-or-path", model,
+                       "--data-path", data, "--data-name", "mrpc", "--epochs", "2", "--micro-batch-size", "16",
+                       "--global-batch-size", "64", "--lr", "2e-5", "--lr-decay-style", "linear",
+                       "--lr-warmup-iters", "100", "--weight-decay", "1e-2", "--clip-grad", "1.0", "--seed", "42",
+                       "--mixed-precision", "--onnx-runtime-training", "--zero-1-memory-optimization",
+                       "--nproc-per-node", "2", "--save", str(tmp_path / "out"), timeout=1800)
+    assert proc.returncode == 0, explain(proc)
+    assert "ORTModule trains" in proc.stdout and "ZeRO-1" in proc.stdout and "dynamic loss scaling" in proc.stdout
+    assert len(metrics_lines(str(tmp_path / "out" / "metrics.jsonl"))) == 3  # 2 epochs + the test split

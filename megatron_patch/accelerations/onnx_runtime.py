@@ -109,5 +109,13 @@ def apply_onnx_runtime(model: torch.nn.Module, device: Optional[torch.device] = 
 
     import onnxruntime
 
+    note = ""
+    config = getattr(model, "config", None)
+    if getattr(config, "_attn_implementation", None) == "sdpa" and hasattr(model, "set_attn_implementation"):
+        # torch's ONNX export of scaled_dot_product_attention writes its dropout as a Dropout node without the
+        # mask output, and ORT's gradient builder needs that output (it fails on any model with attention
+        # dropout); the eager attention uses nn.Dropout, which exports both outputs
+        model.set_attn_implementation("eager")
+        note = "; attention switched from SDPA to eager for the export"
     return ORTModule(model), (f"ONNX Runtime {onnxruntime.__version__}: ORTModule trains the model's exported "
-                              f"graph (fallback to PyTorch disabled)")
+                              f"graph (fallback to PyTorch disabled){note}")

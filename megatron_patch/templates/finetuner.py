@@ -138,6 +138,7 @@ class Finetuner:
         if args.eval_at_start and valid_loader is not None:
             reporter.evaluation(0, 0, "validation", self.evaluate(valid_loader, model))
         step, metrics = 0, {}
+        model.train()  # from_pretrained returns a model in eval mode: dropout off, and ORT would export inference
         for epoch in range(1, epochs + 1):
             if hasattr(train_loader.sampler, "set_epoch"):
                 train_loader.sampler.set_epoch(epoch)
