@@ -6,7 +6,6 @@ must improve clearly, the JSON lines must be complete, and the saved directory m
 """
 from __future__ import annotations
 
-import os
 import re
 
 import pytest

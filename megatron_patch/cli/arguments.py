@@ -8,7 +8,6 @@ starts, in a sentence that names the flags and the fix.
 from __future__ import annotations
 
 import argparse
-import os
 from typing import List, Optional
 
 TASKS = ("sequence_classification", "token_classification", "question_answering", "masked_lm",

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-from functools import partial
 from typing import Callable, Optional, Tuple
 
 import numpy as np

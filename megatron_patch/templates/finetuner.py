@@ -11,14 +11,10 @@ accumulation, evaluates after every epoch, reports, and saves with `save_pretrai
 """
 from __future__ import annotations
 
-import json
 import math
-import os
-import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .data import DeviceLoader, GatherState, build_loader, gather
 from .engine import RapidformerEngine

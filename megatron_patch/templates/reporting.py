@@ -9,7 +9,7 @@ import math
 import os
 import sys
 import time
-from typing import Dict, Optional
+from typing import Dict
 
 import torch
 import torch.distributed as dist

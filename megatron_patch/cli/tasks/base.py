@@ -4,7 +4,7 @@ their longest sample, and each task computes its usual metric."""
 from __future__ import annotations
 
 import sys
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Dict
 
-import numpy as np
 import torch
 
 from megatron_patch.data.finetune_data import encode_labels

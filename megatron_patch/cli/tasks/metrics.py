@@ -4,7 +4,7 @@ from __future__ import annotations
 import collections
 import re
 import string
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence
 
 import numpy as np
 

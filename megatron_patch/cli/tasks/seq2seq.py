@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Dict
 
-import torch
 
 from . import metrics as M
 from .base import BlackBoxFinetuner

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from typing import Dict
 
-import torch
 
 from megatron_patch.data.finetune_data import encode_labels
 
