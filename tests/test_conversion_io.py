@@ -280,6 +280,7 @@ def test_reader_agrees_with_dcp_to_torch_save(name, checkpoint):
     assert used == set(full)  # nothing the checkpoint holds is missed
 
 
+@pytest.mark.slow  # CI time: its TP2 PP2 VPP checkpoint is trained for this test alone
 def test_reader_reads_one_layer_chunk_per_tp_rank(checkpoint, monkeypatch):
     """A layer is read as a region of its stacked tensor: only that layer's chunks (one per TP rank) are
     read, whatever order the conversion asks for them in."""

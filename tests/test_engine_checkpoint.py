@@ -81,7 +81,8 @@ def test_resume_with_dropout_is_exact(single, tmp_path):
 @pytest.mark.parametrize("extra", [
     # slow: test_dp_size_change_keeps_model_optimizer_and_data_position (DP2 ZeRO-1 saved, resumed at DP1) stays fast
     pytest.param(["--zero-1-memory-optimization"], id="dp2_zero1", marks=pytest.mark.slow),
-    pytest.param(["--zero-2-memory-optimization"], id="dp2_zero2"),
+    # slow for CI time (make test-all runs it; the GPU lane resumes bf16 ZeRO-2)
+    pytest.param(["--zero-2-memory-optimization"], id="dp2_zero2", marks=pytest.mark.slow),
     # slow: tests/test_gpu.py resumes bf16 ZeRO-2 on the GPU in the gpu lane
     pytest.param(["--zero-2-memory-optimization", "--bf16"], id="dp2_zero2_bf16", marks=pytest.mark.slow)])
 def test_resume_with_dropout_is_exact_under_zero(tmp_path, extra):
