@@ -16,6 +16,10 @@ bf16 autocast over fp32 weights, DataLoader in the main process (--num-workers):
     trainer_compile    the same + torch_compile=True
     rf                 rapidformer's Finetuner.train() (the white/black-box loop) with --bf16
     rf_compile         --bf16 --torch-compile
+    rf_graphs          --bf16 --torch-compile-mode reduce-overhead: compiled forward and backward replayed as
+                       CUDA graphs, batches padded to a multiple of 64 tokens (the flag's default)
+    trainer_graphs     the Trainer given the same: torch_compile_mode="reduce-overhead", batches padded to a
+                       multiple of 64 (a setting the Trainer offers; not among the issue's "best settings")
     rf_ckpt            --bf16 --checkpoint-activations
 Every arm's clock runs from the start of forward step --warmup to the start of forward step --warmup + --steps
 (torch.cuda.synchronize at both ends, and once in the middle: the table's two halves show an arm still
@@ -43,8 +47,10 @@ import time
 from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL_ARMS = ["trainer", "rf", "trainer_compile", "rf_compile", "rf_ckpt"]
-RF_FLAGS = {"rf": [], "rf_compile": ["--torch-compile"], "rf_ckpt": ["--checkpoint-activations"]}
+ALL_ARMS = ["trainer", "rf", "trainer_compile", "rf_compile", "rf_graphs", "trainer_graphs", "rf_ckpt"]
+RF_FLAGS = {"rf": [], "rf_compile": ["--torch-compile"], "rf_ckpt": ["--checkpoint-activations"],
+            "rf_graphs": ["--torch-compile-mode", "reduce-overhead"]}
+GRAPH_PAD = 64  # the *_graphs arms pad batches to a multiple of this (rapidformer's default for CUDA graphs)
 PROFILED = ("trainer", "rf")
 CLS, SEP, PAD = 101, 102, 0
 
@@ -121,23 +127,26 @@ def build_dataset(a) -> List[Dict]:
 
 
 class PadCollator:
-    """Pads to the longest sample of the batch (what DataCollatorWithPadding does, without a tokenizer) and
-    records each batch's padded length (in the main process: --num-workers 0)."""
+    """Pads to the longest sample of the batch, rounded up to a multiple of `multiple` (what
+    DataCollatorWithPadding does, without a tokenizer) and records each batch's longest sample (in the main
+    process: --num-workers 0), which the fairness check compares between arms."""
 
-    def __init__(self) -> None:
+    def __init__(self, multiple: int = 1) -> None:
         self.lengths: List[int] = []
+        self.multiple = multiple
 
     def __call__(self, samples: List[Dict]):
         import torch
 
-        n = max(len(s["input_ids"]) for s in samples)
+        longest = max(len(s["input_ids"]) for s in samples)
+        n = -(-longest // self.multiple) * self.multiple
         ids = torch.full((len(samples), n), PAD, dtype=torch.long)
         tt = torch.zeros((len(samples), n), dtype=torch.long)
         mask = torch.zeros((len(samples), n), dtype=torch.long)
         for i, s in enumerate(samples):
             k = len(s["input_ids"])
             ids[i, :k], tt[i, :k], mask[i, :k] = s["input_ids"], s["token_type_ids"], 1
-        self.lengths.append(n)
+        self.lengths.append(longest)
         return {"input_ids": ids, "token_type_ids": tt, "attention_mask": mask,
                 "labels": torch.tensor([s["labels"] for s in samples], dtype=torch.long)}
 
@@ -293,14 +302,15 @@ def pick_device(a):
 
 
 # ---- arms -----------------------------------------------------------------------------------------------
-def run_trainer(a, compile_: bool) -> Dict:
+def run_trainer(a, arm: str) -> Dict:
     import torch
     from transformers import Trainer, TrainingArguments
     import transformers
 
     device = pick_device(a)
-    clock = Clock(a, device, profile=not compile_)
-    collator = PadCollator()
+    compile_, graphs = arm != "trainer", arm == "trainer_graphs"
+    clock = Clock(a, device, profile=arm in PROFILED)
+    collator = PadCollator(GRAPH_PAD if graphs else 1)
     ds = build_dataset(a)
     model = build_model(a)
 
@@ -308,7 +318,7 @@ def run_trainer(a, compile_: bool) -> Dict:
         def training_step(self, model, inputs, num_items_in_batch=None, *args, **kw):
             clock.tick(int(inputs["input_ids"].shape[1]))
             loss = super().training_step(model, inputs, num_items_in_batch, *args, **kw)
-            clock.losses.append(loss)
+            clock.losses.append(loss.detach().clone())  # a CUDA graph's output is overwritten by its next replay
             return loss
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -317,6 +327,7 @@ def run_trainer(a, compile_: bool) -> Dict:
             weight_decay=0.01, lr_scheduler_type="linear", warmup_steps=0, max_grad_norm=1.0,
             adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
             bf16=a.bf16, optim="adamw_torch_fused", torch_compile=compile_,
+            **({"torch_compile_mode": "reduce-overhead"} if graphs else {}),
             logging_strategy="steps", logging_steps=50, save_strategy="no", eval_strategy="no", report_to=[],
             seed=a.seed, data_seed=a.seed, dataloader_num_workers=a.num_workers, dataloader_pin_memory=True,
             disable_tqdm=True, **optional_kwargs(TrainingArguments, group_by_length=False,
@@ -324,11 +335,12 @@ def run_trainer(a, compile_: bool) -> Dict:
         trainer = TimedTrainer(model=model, args=targs, train_dataset=ds, data_collator=collator)
         trainer.train()
     extra = {"framework": f"transformers {transformers.__version__}", "torch": torch.__version__,
-             "settings": f"Trainer bf16={a.bf16} adamw_torch_fused torch_compile={compile_} sdpa "
+             "settings": f"Trainer bf16={a.bf16} adamw_torch_fused torch_compile={compile_}"
+                         f"{' reduce-overhead pad64' if graphs else ''} sdpa "
                          f"logging_steps=50 workers={a.num_workers}",
              "optimizer": type(trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer")
                                else trainer.optimizer).__name__}
-    return clock.result("trainer_compile" if compile_ else "trainer", model, collator, extra)
+    return clock.result(arm, model, collator, extra)
 
 
 def run_rapidformer(a, arm: str) -> Dict:
@@ -351,7 +363,7 @@ def run_rapidformer(a, arm: str) -> Dict:
     device = engine.device if a.device is None else torch.device(a.device)
     engine.device = device
     clock = Clock(a, device, profile=arm in PROFILED)
-    collator = PadCollator()
+    collator = PadCollator(GRAPH_PAD if arm == "rf_graphs" else 1)
     ds = build_dataset(a)
     holder = {}
 
@@ -366,7 +378,7 @@ def run_rapidformer(a, arm: str) -> Dict:
         def run_forward_step(self, batch, model):
             clock.tick(int(batch["input_ids"].shape[1]))
             loss = model(**batch).loss
-            clock.losses.append(loss.detach())
+            clock.losses.append(loss.detach().clone())  # a CUDA graph's output is overwritten by its next replay
             return loss
 
         def run_compute_metrics(self, model, eval_dataloader):
@@ -383,7 +395,7 @@ def child(a) -> int:
     import torch
 
     if a.arm.startswith("trainer"):
-        r = run_trainer(a, compile_=a.arm == "trainer_compile")
+        r = run_trainer(a, a.arm)
     else:
         r = run_rapidformer(a, a.arm)
     r["device_name"] = torch.cuda.get_device_name() if torch.cuda.is_available() and a.device != "cpu" else "cpu"
@@ -501,6 +513,9 @@ def table(a, results: Dict[str, Dict]) -> str:
                      f"{r['tflops']:.1f} | "
                      f"{r['peak_mem_gib']:.2f} | {r['final_loss']:.4f} | {r['warmup_s']:.1f} | "
                      f"{r['graphs_compiled']} ({r['graphs_compiled_in_window']}) | {same} |")
+    if "rf_graphs" in ok and "trainer_graphs" in ok:
+        lines.append(f"\nwith the same CUDA-graph setting on both sides: rf_graphs / trainer_graphs = "
+                     f"{ok['rf_graphs']['samples_per_s'] / ok['trainer_graphs']['samples_per_s']:.2f}x")
     if ok:
         lens = [r["mean_padded_len"] for r in ok.values()]
         lines.append(f"\nmean padded length of the timed batches: {min(lens):.1f}-{max(lens):.1f}; TFLOP/s counts "

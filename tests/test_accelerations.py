@@ -144,7 +144,7 @@ def train(flags: dict, steps: int = 4, same_batch: bool = False, plant_inf_step:
             rec["masters_separate"] = all(m.untyped_storage().data_ptr() != p.untyped_storage().data_ptr()
                                           for p, m in masters.items())
         rec["losses"].append(loss.item())
-        rec["norms"].append(norm)
+        rec["norms"].append(float(norm))
         rec["skipped"].append(skipped)
     inner = getattr(model, "module", model)
     if type(inner).__name__ == "ORTModule":  # ONNX Runtime built its training session (no PyTorch fallback)

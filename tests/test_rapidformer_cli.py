@@ -56,6 +56,17 @@ def test_iteration_based_runs_accumulate_gradients():
                "--micro-batch-size 4 --global-batch-size 12", world=2)
 
 
+def test_cuda_graph_compile_mode_pads_batches_to_a_multiple():
+    a = parsed("--task masked_lm --pretrained-model-name-or-path m --data-path d --torch-compile-mode reduce-overhead")
+    assert a.torch_compile and a.pad_to_multiple_of == 64
+    assert any("turns on --torch-compile" in n for n in a.notes) and any("multiple of 64" in n for n in a.notes)
+    b = parsed("--task masked_lm --pretrained-model-name-or-path m --data-path d --torch-compile-mode default")
+    assert b.torch_compile and b.pad_to_multiple_of is None  # no graphs: exact padding stays
+    c = parsed("--task masked_lm --pretrained-model-name-or-path m --data-path d --torch-compile-mode max-autotune "
+               "--pad-to-multiple-of 8")
+    assert c.pad_to_multiple_of == 8
+
+
 def test_missing_schedule_flags_get_named_defaults():
     a = parsed("--task masked_lm --pretrained-model-name-or-path m --data-path d")
     assert a.epochs == 3 and a.lr == 5e-5 and a.micro_batch_size == 8
@@ -71,6 +82,9 @@ def test_missing_schedule_flags_get_named_defaults():
     ("--mixed-precision --bf16", "--bf16"),
     ("--zero-1-memory-optimization --fsdp-memory-optimization", "--fsdp-memory-optimization"),
     ("--oss-memory-optimization --cpu-offload", "ZeRO"),
+    ("--torch-compile-mode reduce-overhead --zero-2-memory-optimization",
+     "cannot run with --zero-2-memory-optimization: a replayed graph"),
+    ("--pad-to-multiple-of 0", "--pad-to-multiple-of 0"),
 ])
 def test_impossible_combinations_are_refused_in_words(extra, words):
     with pytest.raises(UsageError, match=words.replace("-", r"\-").replace(".", r"\.")):

@@ -9,7 +9,7 @@ One module per switch, each a short function of the model (and the config), buil
     activation_checkpointing.py  --checkpoint-activations
     onnx_runtime.py              --onnx-runtime-training (ORTModule; optional extra, see compat/onnx_runtime.py)
     data_parallel.py             DDP; --zero-2/--oss-sdp and --zero-3/--fsdp (FSDP2), FSDP2 CPU offload
-    compile.py                   --torch-compile
+    compile.py                   --torch-compile, --torch-compile-mode
     optimizers.py                --optimizers; --zero-1/--oss (ZeroRedundancyOptimizer)
     cpu_offload.py               --cpu-offload without FSDP2 (optimizer state and step on the CPU)
     precision.py                 --mixed-precision (fp16 + dynamic loss scaling), --bf16
@@ -43,7 +43,7 @@ import torch
 
 from .activation_checkpointing import apply_activation_checkpointing
 from .combinations import check_combination, flag, partitioning
-from .compile import apply_compile
+from .compile import apply_compile, eager_evaluation, mark_step, uses_cuda_graphs
 from .cpu_offload import CPUOffloadOptimizer, offloaded
 from .data_parallel import apply_ddp, apply_fsdp, world_size
 from .layers import find_layers
@@ -53,7 +53,7 @@ from .optimizers import (FUSED_VS_SHARDED_SCALER, build_optimizer, choose_optimi
 from .precision import Precision, clip_grad_norm, precision_for
 
 __all__ = ["Accelerated", "accelerate", "check_combination", "Precision", "CPUOffloadOptimizer", "offloaded",
-           "find_layers", "ort_available", "clip_grad_norm"]
+           "find_layers", "ort_available", "clip_grad_norm", "uses_cuda_graphs", "mark_step", "eager_evaluation"]
 
 _LABEL = {"zero_1_memory_optimization": "ZeRO-1", "oss_memory_optimization": "OSS",
           "zero_2_memory_optimization": "ZeRO-2", "oss_sdp_memory_optimization": "SDP",
@@ -118,7 +118,7 @@ def accelerate(model: torch.nn.Module, args, device: torch.device,
         applied.append(f"{_LABEL[stage_attr]} ({flag(stage_attr)}): one worker, nothing to shard; trains unsharded")
     # 4. torch.compile
     if getattr(args, "torch_compile", False):
-        applied.append(apply_compile(model, fsdp_layers))
+        applied.append(apply_compile(model, fsdp_layers, getattr(args, "torch_compile_mode", None), device))
     # 5. optimizer
     step_device = torch.device("cpu") if offload else device
     offload_wrapper = offload and not fsdp

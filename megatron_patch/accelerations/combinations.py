@@ -68,8 +68,19 @@ def check_combination(args: argparse.Namespace) -> None:
                 problems.append(f"--cpu-offload with {flag(a)}: the parameter guide requires ZeRO for CPU offload "
                                 f"together with partitioned model state (\"{GUIDE_OFFLOAD}\"); use "
                                 f"{ZERO_FLAG[stage]} instead of {flag(a)} (same stage)")
+    from .compile import CUDA_GRAPH_MODES
+
+    mode = getattr(args, "torch_compile_mode", None)
+    if mode in CUDA_GRAPH_MODES:
+        for a in on:
+            if PARTITIONING[a][0] >= 2:
+                problems.append(f"--torch-compile-mode {mode} (CUDA graphs) cannot run with {flag(a)}: "
+                                f"a replayed graph needs its inputs at fixed addresses, while FSDP2 allocates and "
+                                f"frees each layer's gathered parameters around every forward and backward, outside the graphs; use "
+                                f"--torch-compile-mode default (or max-autotune-no-cudagraphs) with {flag(a)}, or "
+                                f"--zero-1-memory-optimization with CUDA graphs")
     if getattr(args, "onnx_runtime_training", False):
-        if getattr(args, "torch_compile", False):
+        if getattr(args, "torch_compile", False) or mode:
             problems.append("--onnx-runtime-training and --torch-compile are two graph optimizers for the same model "
                             "(ONNX Runtime runs an exported graph that torch.compile cannot see into); pass only one "
                             "of them")

@@ -67,10 +67,12 @@ class Precision:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module, clip_grad: float) -> Tuple[float, bool]:
+    def step(self, optimizer: torch.optim.Optimizer, model: torch.nn.Module,
+             clip_grad: float) -> Tuple[torch.Tensor, bool]:
         """Unscale (fp16), clip the global gradient norm to `clip_grad` (when > 0), step (skipped under fp16
-        when a gradient is inf/nan), update the loss scale. Returns (global gradient norm before clipping,
-        skipped). The caller zeroes the gradients."""
+        when a gradient is inf/nan), update the loss scale. Returns (global gradient norm before clipping, a
+        0-dim tensor on the device: reading it waits for the GPU, so read it only when logging; skipped).
+        The caller zeroes the gradients."""
         if self.scaler is not None:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=_DTENSOR_SCALAR_WARNING)
@@ -93,18 +95,18 @@ class Precision:
             self.scaler.load_state_dict(state)
 
 
-def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> float:
-    """The global L2 norm of the gradients of `model` (every rank gets the same number), clipped to `max_norm`
-    when it is > 0. Gradients may be plain tensors (single process, DDP, ZeRO-1: already all-reduced) or
+def clip_grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """The global L2 norm of the gradients of `model` (a 0-dim tensor; every rank gets the same number), clipped
+    to `max_norm` when it is > 0. Gradients may be plain tensors (single process, DDP, ZeRO-1: already all-reduced) or
     FSDP2's sharded DTensors: their norm is a DTensor whose `full_tensor()` is the norm over all shards."""
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
-        return 0.0
+        return torch.zeros(())
     total = torch.nn.utils.get_total_norm([p.grad for p in params], 2.0, foreach=True)
     total = _full(total)
     if max_norm > 0:
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=True)
-    return float(total)
+    return total
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

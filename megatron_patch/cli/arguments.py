@@ -23,6 +23,9 @@ def _bool(parser_group, *names: str, help: str) -> None:
     parser_group.add_argument(*names, action="store_true", help=help)
 
 
+COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rapidformer", allow_abbrev=False,
@@ -54,6 +57,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--data-iterator", choices=["dynamic-shape", "fixed-shape"],
                    help="dynamic-shape: pretraining only (the PreTrainer); fine-tuning pads each batch to its longest sample")
     g.add_argument("--num-workers", type=int, default=0, help="DataLoader worker processes")
+    g.add_argument("--pad-to-multiple-of", type=int, default=None,
+                   help="pad each fine-tuning batch to a multiple of N tokens instead of exactly its longest sample "
+                        "(fewer distinct shapes; default 64 with --torch-compile-mode reduce-overhead/max-autotune)")
     g.add_argument("--mask-prob", type=float, default=0.15)
     g.add_argument("--short-seq-prob", type=float, default=0.1)
     _bool(g, "--mmap-warmup", help="read the whole mmap corpus once at start")
@@ -107,6 +113,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apex's fused Adam/LAMB when apex is installed, else torch's fused AdamW / our LAMB")
     g.add_argument("--torch-compile", "--compile", dest="torch_compile", action="store_true",
                    help="compile the model with torch.compile")
+    g.add_argument("--torch-compile-mode", default=None, choices=COMPILE_MODES,
+                   help="torch.compile's mode (implies --torch-compile); reduce-overhead and max-autotune replay "
+                        "each step's kernels as CUDA graphs (GPU only), for batches padded to --pad-to-multiple-of")
     _bool(g, "--onnx-runtime-training", help="train through ONNX Runtime's ORTModule (optional extra)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Megatron pretraining only")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Megatron pretraining only")

@@ -14,6 +14,7 @@ from .arguments import FINETUNE_TASKS, UsageError
 DEFAULT_EPOCHS = 3
 DEFAULT_LR = 5e-5
 DEFAULT_MICRO_BATCH = 8
+DEFAULT_GRAPH_PAD = 64  # tokens: lengths 1-512 give at most 8 batch shapes, so 8 CUDA graphs
 
 
 def _note(args: argparse.Namespace, text: str) -> None:
@@ -88,6 +89,21 @@ def _check_schedule(args: argparse.Namespace, world_size: int) -> None:
                         f"{args.grad_accumulation})")
 
 
+def _check_compile(args: argparse.Namespace) -> None:
+    from megatron_patch.accelerations.compile import uses_cuda_graphs
+
+    if args.pad_to_multiple_of is not None and args.pad_to_multiple_of < 1:
+        raise UsageError(f"--pad-to-multiple-of {args.pad_to_multiple_of}: give a positive number of tokens (e.g. 64)")
+    if args.torch_compile_mode and not args.torch_compile:
+        args.torch_compile = True
+        _note(args, f"--torch-compile-mode {args.torch_compile_mode} turns on --torch-compile")
+    if uses_cuda_graphs(args) and args.pad_to_multiple_of is None:
+        # a CUDA graph is recorded per batch shape: padding to exact lengths would record one per length
+        args.pad_to_multiple_of = DEFAULT_GRAPH_PAD
+        _note(args, f"--torch-compile-mode {args.torch_compile_mode} records a CUDA graph per batch shape: batches "
+                    f"are padded to a multiple of {DEFAULT_GRAPH_PAD} tokens (--pad-to-multiple-of to change)")
+
+
 def _check_blackbox(args: argparse.Namespace) -> None:
     if args.user_script or args.task not in FINETUNE_TASKS:
         return
@@ -107,6 +123,7 @@ def check(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     _check_launch(args)
     _check_parallelism(args)
     _check_schedule(args, world_size)
+    _check_compile(args)
     _check_blackbox(args)
     if args.metrics_file is None and args.save:
         args.metrics_file = os.path.join(args.save, "metrics.jsonl")

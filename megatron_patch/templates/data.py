@@ -58,8 +58,10 @@ def build_loader(dataset, batch_size: int, shuffle: bool, collate_fn: Optional[C
     sampler = DistributedSampler(dataset, num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
                                  drop_last=drop_last)
     generator = torch.Generator().manual_seed(seed)  # worker seeds do not draw from the global generator
+    # pinned host batches: the copy to the GPU runs asynchronously, behind the previous step's kernels
     loader = DataLoader(dataset, batch_size=batch_size, sampler=sampler, collate_fn=collate_fn,
-                        num_workers=num_workers, generator=generator, drop_last=drop_last)
+                        num_workers=num_workers, generator=generator, drop_last=drop_last,
+                        pin_memory=torch.device(device).type == "cuda")
     padding = 0 if drop_last else sampler.total_size - len(dataset)
     return DeviceLoader(loader, device, padding, tracker)
 

@@ -72,7 +72,7 @@ class Finetuner:
                 raise ValueError("build_data_loader() without a collate_fn pads with the model's tokenizer: give "
                                  "--pretrained-model-name-or-path, or pass collate_fn")
             self.tokenizer = AutoTokenizer.from_pretrained(self.args.pretrained_model_name_or_path)
-        return DataCollatorWithPadding(self.tokenizer)
+        return DataCollatorWithPadding(self.tokenizer, pad_to_multiple_of=self.args.pad_to_multiple_of)
 
     # ---- the loop ---------------------------------------------------------------------------------------
     def _accelerate(self):
@@ -101,9 +101,14 @@ class Finetuner:
         return contextlib.nullcontext()
 
     def evaluate(self, loader, model: torch.nn.Module) -> Dict[str, float]:
+        import contextlib
+
+        from megatron_patch.accelerations import eager_evaluation, uses_cuda_graphs
+
         model.eval()
+        eager = eager_evaluation() if uses_cuda_graphs(self.args) else contextlib.nullcontext()
         try:
-            with torch.no_grad(), self.precision.autocast():
+            with eager, torch.no_grad(), self.precision.autocast():
                 return self.run_compute_metrics([model], loader)
         finally:
             model.train()
@@ -112,7 +117,10 @@ class Finetuner:
         """Fine-tune: epochs of --micro-batch-size batches per worker (or --train-iters optimizer steps, with
         gradient accumulation up to --global-batch-size), an evaluation after every epoch, the model saved to
         --save. Returns the last validation metrics."""
+        from megatron_patch.accelerations import mark_step, uses_cuda_graphs
+
         args, log = self.args, get_logger()
+        graphs = uses_cuda_graphs(args)
         train_ds, valid_ds, test_ds, collate_fn = self.train_valid_test_datasets_provider()
         acc, scheduler = self._accelerate()
         model, optimizer, self.precision = acc.model, acc.optimizer, acc.precision
@@ -144,6 +152,8 @@ class Finetuner:
                     if micro >= usable or step >= total:
                         break
                     boundary = (micro + 1) % accum == 0
+                    if graphs:
+                        mark_step()
                     with self._no_sync(model, boundary):
                         with self.precision.autocast():
                             loss = self.run_forward_step(batch, model)

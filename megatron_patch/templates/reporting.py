@@ -52,7 +52,8 @@ class MetricsReporter:
             bar.close()
 
     def add_loss(self, loss: torch.Tensor, batch) -> None:
-        self._loss_sum = loss.float() if self._loss_sum is None else self._loss_sum + loss.float()
+        # a copy: under CUDA graphs `loss` is a graph output that the next step overwrites
+        self._loss_sum = loss.float().clone() if self._loss_sum is None else self._loss_sum + loss.float()
         self._loss_count += 1
         first = next(iter(batch.values())) if hasattr(batch, "values") else batch[0]
         self._samples += int(first.shape[0]) if hasattr(first, "shape") else 0

@@ -49,7 +49,7 @@ class SequenceClassification(BlackBoxFinetuner):
     def collate_fn(self):
         from transformers import DataCollatorWithPadding
 
-        return DataCollatorWithPadding(self.tokenizer)
+        return DataCollatorWithPadding(self.tokenizer, pad_to_multiple_of=self.args.pad_to_multiple_of)
 
     def metrics(self, model, loader) -> Dict[str, float]:
         predictions, labels = [], []

@@ -36,7 +36,8 @@ class MaskedLM(_LanguageModeling):
         if self.tokenizer.mask_token_id is None:
             raise ValueError(f"--task masked_lm: the tokenizer of {self.args.pretrained_model_name_or_path} has no "
                              "mask token")
-        self.eval_collate_fn = DataCollatorForTokenClassification(self.tokenizer)
+        self.eval_collate_fn = DataCollatorForTokenClassification(self.tokenizer,
+                                                                  pad_to_multiple_of=self.args.pad_to_multiple_of)
 
     def prepare(self, split: str, dataset):
         encoded = self._encode(split, dataset)
@@ -60,7 +61,8 @@ class MaskedLM(_LanguageModeling):
     def collate_fn(self):
         from transformers import DataCollatorForLanguageModeling
 
-        return DataCollatorForLanguageModeling(self.tokenizer, mlm=True, mlm_probability=self.args.mask_prob)
+        return DataCollatorForLanguageModeling(self.tokenizer, mlm=True, mlm_probability=self.args.mask_prob,
+                                               pad_to_multiple_of=self.args.pad_to_multiple_of)
 
     def metrics(self, model, loader) -> Dict[str, float]:
         return self.token_weighted_loss(model, loader, shift=False)
@@ -79,7 +81,8 @@ class CausalLM(_LanguageModeling):
     def collate_fn(self):
         from transformers import DataCollatorForLanguageModeling
 
-        return DataCollatorForLanguageModeling(self.tokenizer, mlm=False)
+        return DataCollatorForLanguageModeling(self.tokenizer, mlm=False,
+                                               pad_to_multiple_of=self.args.pad_to_multiple_of)
 
     def metrics(self, model, loader) -> Dict[str, float]:
         return self.token_weighted_loss(model, loader, shift=True)

@@ -56,7 +56,7 @@ class QuestionAnswering(BlackBoxFinetuner):
     def collate_fn(self):
         from transformers import DataCollatorWithPadding
 
-        return DataCollatorWithPadding(self.tokenizer)
+        return DataCollatorWithPadding(self.tokenizer, pad_to_multiple_of=self.args.pad_to_multiple_of)
 
     def model_inputs(self, batch: Dict) -> Dict:
         return {k: v for k, v in batch.items() if k != "example_index"}

@@ -35,7 +35,7 @@ class Seq2SeqLM(BlackBoxFinetuner):
     def collate_fn(self):
         from transformers import DataCollatorForSeq2Seq
 
-        return DataCollatorForSeq2Seq(self.tokenizer)
+        return DataCollatorForSeq2Seq(self.tokenizer, pad_to_multiple_of=self.args.pad_to_multiple_of)
 
     def metrics(self, model, loader) -> Dict[str, float]:
         out = self.token_weighted_loss(model, loader, shift=False)

@@ -46,7 +46,7 @@ class TokenClassification(BlackBoxFinetuner):
     def collate_fn(self):
         from transformers import DataCollatorForTokenClassification
 
-        return DataCollatorForTokenClassification(self.tokenizer)
+        return DataCollatorForTokenClassification(self.tokenizer, pad_to_multiple_of=self.args.pad_to_multiple_of)
 
     def metrics(self, model, loader) -> Dict[str, float]:
         predicted, gold = [], []
