@@ -68,6 +68,13 @@ class RapidformerEngine:
                      "`with engine.precision.autocast():`, call `engine.precision.backward(loss)` instead of "
                      "loss.backward(), and `engine.precision.step(optimizer, model, args.clip_grad)` instead of "
                      "optimizer.step() (it unscales, clips and skips steps with inf/nan gradients under fp16)")
+        from megatron_patch.accelerations import uses_cuda_graphs
+
+        if uses_cuda_graphs(self.args) and self.device.type == "cuda":
+            log.info(f"compose(): --torch-compile-mode {self.args.torch_compile_mode} replays CUDA graphs: call "
+                     "`megatron_patch.accelerations.mark_step()` before each forward, `.clone()` any output you "
+                     "keep past the next step (its memory is reused), and pad batches to a few lengths "
+                     "(each new shape records a new graph)")
         if lr_scheduler_fn is not None:
             scheduler = lr_scheduler_fn(acc.optimizer)
         else:
