@@ -382,6 +382,13 @@ def test_precision_without_loss_scaling_steps_plainly():
     assert not skipped and norm > 0 and not torch.equal(before, model.weight)
 
 
+def test_fp16_on_a_cpu_is_warned_about_in_the_log_line():
+    from megatron_patch.accelerations import Precision
+
+    assert "--bf16" in Precision(torch.float16, torch.device("cpu")).describe()
+    assert "WARNING" not in Precision(torch.bfloat16, torch.device("cpu")).describe()
+
+
 # ---------------------------------------------------------------- check_combination: refusals in words
 
 @pytest.mark.parametrize("flags,words", [

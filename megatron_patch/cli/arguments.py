@@ -23,12 +23,22 @@ def _bool(parser_group, *names: str, help: str) -> None:
     parser_group.add_argument(*names, action="store_true", help=help)
 
 
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Show a flag's default in --help when it has a real one (not None/False)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.default not in (None, False, argparse.SUPPRESS) and "%(default)" not in text:
+            text += " (default: %(default)s)"
+        return text
+
+
 COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="rapidformer", allow_abbrev=False,
+        prog="rapidformer", allow_abbrev=False, formatter_class=_HelpWithDefaults,
         description="Fine-tune (and, with --task pretraining, pretrain) Transformers with switchable accelerations. "
                     "Black box: name a model, a dataset and a task. White box: --user-script FILE with a "
                     "Finetuner subclass.")
@@ -63,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mask-prob", type=float, default=0.15)
     g.add_argument("--short-seq-prob", type=float, default=0.1)
     _bool(g, "--mmap-warmup", help="read the whole mmap corpus once at start")
+    _bool(g, "--eod-mask-loss", help="pretraining: no loss on end-of-document tokens")
+    _bool(g, "--reset-position-ids", help="pretraining: positions restart after each end-of-document token")
+    _bool(g, "--reset-attention-mask", help="pretraining: attend within documents only (not supported: refused)")
+    g.add_argument("--data-cache-path", help="pretraining: where megatron-core's dataset index caches go "
+                   "(default: next to the data)")
 
     g = p.add_argument_group("model")
     g.add_argument("--pretrained-model-name-or-path", help="a local Hugging Face model directory (or a name in "
@@ -74,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--seq-length", type=int, help="fine-tuning: the longest tokenized input (default: the "
                    "model's maximum, at most 512)")
     g.add_argument("--num-experts", type=int)
+    g.add_argument("--ffn-hidden-size", type=int, help="Megatron models: MLP width (default 4 x hidden size)")
+    g.add_argument("--hidden-dropout", type=float, help="Megatron models (default 0.1)")
+    g.add_argument("--attention-dropout", type=float, help="Megatron models (default 0.1)")
+    g.add_argument("--init-method-std", type=float, help="Megatron models: std of the normal weight init (0.02)")
+    g.add_argument("--make-vocab-size-divisible-by", type=int, help="Megatron models: pad the vocabulary (128)")
 
     g = p.add_argument_group("training")
     g.add_argument("--save", help="where the fine-tuned model and tokenizer are saved (save_pretrained)")
@@ -93,7 +113,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--train-iters", type=int, help="optimizer steps (iteration-based run)")
     g.add_argument("--epochs", type=int, help="passes over the training set (epoch-based fine-tuning)")
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--log-interval", type=int, default=100)
+    g.add_argument("--log-interval", type=int, default=100, help="log a training line every N steps")
+    g.add_argument("--eval-interval", type=int, default=1000, help="pretraining: validate every N iterations")
+    g.add_argument("--eval-iters", type=int, default=10, help="pretraining: validation batches per evaluation")
+    g.add_argument("--save-interval", type=int, help="pretraining: write a checkpoint to --save every N iterations "
+                   "(and at the end); --load DIR resumes from it")
     _bool(g, "--eval-at-start", help="also evaluate before training (reported as epoch 0)")
     g.add_argument("--metrics-file", help="append one JSON line per evaluation (default: SAVE/metrics.jsonl)")
     g.add_argument("--tensorboard-dir", help="TensorBoard logs (default: SAVE/tensorboard)")
@@ -119,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     _bool(g, "--onnx-runtime-training", help="train through ONNX Runtime's ORTModule (optional extra)")
     g.add_argument("--tensor-model-parallel-size", type=int, default=1, help="Megatron pretraining only")
     g.add_argument("--pipeline-model-parallel-size", type=int, default=1, help="Megatron pretraining only")
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int,
+                   help="Megatron pretraining: interleaved pipeline schedule")
     return p
 
 

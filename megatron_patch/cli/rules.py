@@ -29,13 +29,19 @@ def _check_launch(args: argparse.Namespace) -> None:
     if args.user_script and not os.path.isfile(args.user_script):
         raise UsageError(f"--user-script {args.user_script}: no such file")
     if args.task == "pretraining" and not args.user_script:
-        raise UsageError("--task pretraining (black-box pretraining with the PreTrainer) is not available yet in "
-                         "this version; fine-tuning tasks are, and Megatron pretraining runs with "
-                         "`bash pretrain_scripts/run_gpt.sh`")
+        missing = [f for f, v in (("--pretrained-model-name-or-path", args.pretrained_model_name_or_path),
+                                  ("--data-path", args.data_path), ("--tokenizer-type", args.tokenizer_type),
+                                  ("--vocab-file", args.vocab_file), ("--train-iters", args.train_iters)) if not v]
+        if missing:
+            raise UsageError(f"--task pretraining needs {', '.join(missing)}: a local Hugging Face model directory "
+                             "(its config gives the architecture), a Megatron mmap corpus made by "
+                             "tools/preprocess_data.py (BERT: --split-sentences, the _text_sentence prefix; GPT: the "
+                             "_text_document prefix), its tokenizer and the number of iterations")
 
 
 def _check_parallelism(args: argparse.Namespace) -> None:
-    finetuning = args.task in FINETUNE_TASKS or args.task is None
+    # a --user-script without --task may be a PreTrainer: its template refuses what does not apply
+    finetuning = args.task in FINETUNE_TASKS
     if not finetuning:
         return
     for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
@@ -58,7 +64,9 @@ def _check_schedule(args: argparse.Namespace, world_size: int) -> None:
     if args.lr is None:
         args.lr = DEFAULT_LR
         _note(args, f"--lr not given: using {DEFAULT_LR}")
-    if args.train_iters is None and args.epochs is None:
+    if args.task == "pretraining" or (args.user_script and args.task is None and args.train_iters):
+        pass  # pretraining is iteration-based (the PreTrainer refuses a run without --train-iters)
+    elif args.train_iters is None and args.epochs is None:
         args.epochs = DEFAULT_EPOCHS
         _note(args, f"neither --train-iters nor --epochs given: training {DEFAULT_EPOCHS} epochs")
     elif args.train_iters is not None and args.epochs is not None:
@@ -67,7 +75,9 @@ def _check_schedule(args: argparse.Namespace, world_size: int) -> None:
     if args.micro_batch_size is None:
         args.micro_batch_size = DEFAULT_MICRO_BATCH
         _note(args, f"--micro-batch-size not given: using {DEFAULT_MICRO_BATCH} per worker")
-    per_step = args.micro_batch_size * world_size
+    # data-parallel workers: tensor/pipeline parallelism (Megatron models) share one batch among TP x PP ranks
+    data_parallel = max(1, world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
+    per_step = args.micro_batch_size * data_parallel
     args.grad_accumulation = 1
     if args.global_batch_size is None:
         args.global_batch_size = per_step
@@ -75,17 +85,17 @@ def _check_schedule(args: argparse.Namespace, world_size: int) -> None:
         if args.global_batch_size != per_step:
             _note(args, f"--global-batch-size {args.global_batch_size} is not used in epoch-based fine-tuning "
                         f"(no gradient accumulation there, as the guide says): each step takes "
-                        f"--micro-batch-size {args.micro_batch_size} x {world_size} workers = {per_step} samples")
+                        f"--micro-batch-size {args.micro_batch_size} x {data_parallel} workers = {per_step} samples")
             args.global_batch_size = per_step
     else:
         if args.global_batch_size % per_step:
             raise UsageError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
-                             f"{args.micro_batch_size} x {world_size} workers = {per_step}: gradient accumulation "
+                             f"{args.micro_batch_size} x {data_parallel} workers = {per_step}: gradient accumulation "
                              "needs a whole number of micro batches")
         args.grad_accumulation = args.global_batch_size // per_step
         if args.grad_accumulation > 1:
             _note(args, f"gradient accumulation: {args.grad_accumulation} micro batches per step "
-                        f"({args.global_batch_size} = {args.micro_batch_size} x {world_size} workers x "
+                        f"({args.global_batch_size} = {args.micro_batch_size} x {data_parallel} workers x "
                         f"{args.grad_accumulation})")
 
 
@@ -105,6 +115,9 @@ def _check_compile(args: argparse.Namespace) -> None:
 
 
 def _check_blackbox(args: argparse.Namespace) -> None:
+    if args.task == "pretraining" and not args.user_script and not args.save:
+        args.save = os.path.join("rapidformer_output", "pretraining")
+        _note(args, f"--save not given: checkpoints and the final model are saved to {args.save}")
     if args.user_script or args.task not in FINETUNE_TASKS:
         return
     if not args.pretrained_model_name_or_path:

@@ -1,4 +1,5 @@
 """Model families as megatron-core GPTModel configs and layer specs."""
 from .gpt import build_gpt_model, build_transformer_config, padded_vocab_size
+from .stage import GPTModel
 
-__all__ = ["build_gpt_model", "build_transformer_config", "padded_vocab_size"]
+__all__ = ["GPTModel", "build_gpt_model", "build_transformer_config", "padded_vocab_size"]

@@ -89,16 +89,7 @@ class Finetuner:
         return acc, scheduler
 
     def _no_sync(self, model: torch.nn.Module, sync: bool):
-        import contextlib
-
-        if sync:
-            return contextlib.nullcontext()
-        if hasattr(model, "no_sync"):
-            return model.no_sync()
-        if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-            model.set_requires_gradient_sync(False)
-            return _RestoreSync(model)
-        return contextlib.nullcontext()
+        return no_sync(model, sync)
 
     def evaluate(self, loader, model: torch.nn.Module) -> Dict[str, float]:
         import contextlib
@@ -183,6 +174,21 @@ class Finetuner:
 
     def after_training(self, model, test_ds, collate_fn, reporter, epoch: int, step: int) -> None:
         """Called once training ends, before saving; the black-box tasks evaluate a labelled test split here."""
+
+
+def no_sync(model: torch.nn.Module, sync: bool):
+    """A context for one micro batch of gradient accumulation: gradients are reduced across workers only when
+    `sync` (the last micro batch of a step); DDP's no_sync, FSDP2's set_requires_gradient_sync."""
+    import contextlib
+
+    if sync:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        return _RestoreSync(model)
+    return contextlib.nullcontext()
 
 
 class _RestoreSync:

@@ -1,17 +1,89 @@
-"""The PreTrainer template (pretraining with an iterator of batches) comes with `--task pretraining`; until
-then the names import, so the how-to's shared import block works, and using them says what is missing."""
+"""The PreTrainer template: pretraining from an iterator of batches, for Hugging Face and Megatron models.
+
+Hooks (the how-to's pretraining sections):
+- `train_valid_test_datasets_provider(train_val_test_num_samples)` -> train, valid, test datasets;
+- `model_optimizer_lr_scheduler_provider()` -> model, optimizer or None, lr scheduler or None;
+- `run_forward_step(data_iterator, model)` -> the loss of one micro batch.
+`train()` starts the process groups and seeds (as the engine does), calls the hooks in the engine's order
+(datasets, then model), and trains for --train-iters iterations of --global-batch-size samples:
+- a megatron-core model (e.g. `megatron_patch.models.GPTModel()`) runs on the engine: TP/PP/VPP schedules,
+  ZeRO-1/2, mixed precision, recompute, distributed checkpoints (`pretrain_megatron.py`);
+- any other torch.nn.Module is a Hugging Face/PyTorch model: data parallel with the fine-tuning
+  accelerations (`pretrain_hf.py`).
+"""
 from __future__ import annotations
+
+from typing import Any, List, Sequence, Tuple
+
+import torch
+
+from .engine import RapidformerEngine
+from .globals import get_logger
+from .pretraining_data import build_train_valid_test_datasets_for_huggingface  # noqa: F401  (re-exported)
 
 
 class PreTrainer:
-    """Pretraining template: not available in this version (fine-tuning is: see Finetuner)."""
+    """Base class of white-box pretraining scripts (and of the black-box `--task pretraining`)."""
 
-    def __init__(self, *args, **kwargs) -> None:
-        raise NotImplementedError("PreTrainer (white-box pretraining) is not available in this version; use "
-                                  "Finetuner for fine-tuning, and `bash pretrain_scripts/run_gpt.sh` for Megatron "
-                                  "pretraining")
+    def __init__(self, engine: RapidformerEngine) -> None:
+        self.engine = engine
+        self.args = engine.args
+        self.device = engine.device
+        self.trainer = None  # the engine's Trainer, for a Megatron model
 
+    # ---- the three hooks -------------------------------------------------------------------------------------
+    def train_valid_test_datasets_provider(self, train_val_test_num_samples: Sequence[int]) -> Tuple[Any, Any, Any]:
+        raise NotImplementedError("implement train_valid_test_datasets_provider(train_val_test_num_samples) -> "
+                                  "train, valid, test datasets")
 
-def build_train_valid_test_datasets_for_huggingface(*args, **kwargs):
-    raise NotImplementedError("build_train_valid_test_datasets_for_huggingface belongs to the PreTrainer "
-                              "(white-box pretraining), not available in this version")
+    def model_optimizer_lr_scheduler_provider(self) -> Tuple[Any, Any, Any]:
+        raise NotImplementedError("implement model_optimizer_lr_scheduler_provider() -> model, optimizer or None, "
+                                  "lr_scheduler or None")
+
+    def run_forward_step(self, data_iterator, model) -> torch.Tensor:
+        raise NotImplementedError("implement run_forward_step(data_iterator, model) -> loss")
+
+    # ---- the loop --------------------------------------------------------------------------------------------
+    def train(self) -> List[dict]:
+        """Pretrain for --train-iters iterations; returns one dict of metrics per iteration."""
+        from megatron_patch.config import ConfigError
+        from megatron_patch.parallel import initialize
+        from megatron_patch.training.data import sample_counts
+
+        from . import pretrain_megatron
+
+        args, log = self.args, get_logger()
+        if not args.train_iters:
+            raise ConfigError("pretraining is iteration-based: give --train-iters N (--epochs is for fine-tuning)")
+        if getattr(args, "reset_attention_mask", False):
+            raise ConfigError("--reset-attention-mask is not supported: the engine's attention (SDPA) runs causal "
+                              "attention over the whole packed sequence and does not take a per-document mask; drop "
+                              "the flag (--reset-position-ids still restarts positions at each document)")
+        base = pretrain_megatron.engine_config(args, accelerations=False)
+        initialize(base)  # process groups, then seeds: the engine's order, so the hooks draw the same numbers
+        pretrain_megatron.set_current_config(base)
+        if args.save is None:
+            log.info("--save not given: no checkpoints are written")
+        counts = sample_counts(base)
+        log.info(f"samples: train {counts[0]}, validation {counts[1]}, test {counts[2]} "
+                 f"({base.train_iters} iterations of {base.global_batch_size}; evaluation every "
+                 f"{base.eval_interval} iterations on {base.eval_iters} batches)")
+        train_ds, valid_ds, test_ds = self.train_valid_test_datasets_provider(list(counts))
+        if train_ds is None:
+            raise ValueError("train_valid_test_datasets_provider() returned no training dataset: check --split "
+                             f"{args.split} and --data-path {args.data_path}")
+        model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
+        if pretrain_megatron.is_megatron_model(model):
+            cfg = pretrain_megatron.engine_config(args)
+            cfg.validate(base.world_size)
+            pretrain_megatron.set_current_config(cfg)
+            if optimizer is not None or scheduler is not None:
+                log.warning("a Megatron model trains with the engine's optimizer and schedule (from --optimizers, "
+                            "--lr, --lr-decay-style ...): the optimizer/scheduler from "
+                            "model_optimizer_lr_scheduler_provider() are not used")
+            log.info("model: a megatron-core model: training with the engine (TP/PP schedules, ZeRO, recompute)")
+            return pretrain_megatron.run(self, cfg, (train_ds, valid_ds, test_ds), model)
+        from . import pretrain_hf
+
+        return pretrain_hf.run(self, base, (train_ds, valid_ds, test_ds), model, optimizer, scheduler)
+

@@ -56,9 +56,9 @@ def model_info(cfg: Config, vocab: int) -> Dict:
     return info
 
 
-def build_model(cfg: Config, vocab_size: int, for_training: bool = True) -> List[torch.nn.Module]:
-    """Model chunks of this rank, wrapped for mixed precision and megatron-core DDP; with
-    `for_training=False` the bare GPTModel chunks (no gradient buffers: checkpoint conversion)."""
+def build_model_chunks(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
+    """This rank's bare GPTModel chunks (one per virtual pipeline stage), initialised (or loaded from
+    --load-hf) and, with --compile, compiled."""
     vpp = cfg.virtual_pipeline_model_parallel_size
     chunks = []
     for vp in range(vpp or 1):
@@ -81,8 +81,12 @@ def build_model(cfg: Config, vocab_size: int, for_training: bool = True) -> List
         for chunk in chunks:
             # Compile the forward only, so the module (its parameters, state-dict keys) stays the same object.
             chunk.forward = torch.compile(chunk.forward)
-    if not for_training:
-        return chunks
+    return chunks
+
+
+def wrap_model(cfg: Config, chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
+    """Model chunks wrapped for mixed precision (Float16Module) and megatron-core DDP (ZeRO-1: its
+    distributed optimizer) or Megatron-FSDP (ZeRO-2)."""
     tconfig = chunks[0].config
     if cfg.bf16 or cfg.fp16:
         chunks = [Float16Module(tconfig, c) for c in chunks]
@@ -94,6 +98,13 @@ def build_model(cfg: Config, vocab_size: int, for_training: bool = True) -> List
     )
     return [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
             for i, c in enumerate(chunks)]
+
+
+def build_model(cfg: Config, vocab_size: int, for_training: bool = True) -> List[torch.nn.Module]:
+    """Model chunks of this rank, wrapped for mixed precision and megatron-core DDP; with
+    `for_training=False` the bare GPTModel chunks (no gradient buffers: checkpoint conversion)."""
+    chunks = build_model_chunks(cfg, vocab_size)
+    return wrap_model(cfg, chunks) if for_training else chunks
 
 
 # Megatron-FSDP communicates in units of about this many elements; without an explicit size it keeps
@@ -168,12 +179,12 @@ class Trainer:
     """Holds the state of one pretraining run; `train()` runs it."""
 
     def __init__(self, cfg: Config) -> None:
-        self.cfg = initialize(cfg)
+        self.cfg = self._initialize(cfg)
         self.tokenizer = tokenizer_from_config(cfg)
         # Data first: a bad --data-path or out-of-vocabulary ids are reported before the model is built.
-        self.train_ds, self.valid_ds, self.test_ds = build_datasets(cfg, self.tokenizer)
+        self.train_ds, self.valid_ds, self.test_ds = self._build_datasets()
         vocab = model_vocab_size(cfg, self.tokenizer)
-        self.model = build_model(cfg, vocab)
+        self.model = wrap_model(cfg, self._build_chunks(vocab))
         self.optimizer, self.optimizer_name = build_optimizer(cfg, self.model)
         self.scheduler = build_scheduler(cfg, self.optimizer)
         tconfig = self.model[0].config
@@ -188,6 +199,23 @@ class Trainer:
         self.fwd_bwd = get_forward_backward_func()
         self.history: List[Dict[str, float]] = []
 
+    # ---- the parts a template (megatron_patch.templates.pretrain_megatron) replaces -----------------------
+    def _initialize(self, cfg: Config) -> Config:
+        return initialize(cfg)
+
+    def _build_datasets(self):
+        return build_datasets(self.cfg, self.tokenizer)
+
+    def _build_chunks(self, vocab: int) -> List[torch.nn.Module]:
+        return build_model_chunks(self.cfg, vocab)
+
+    def _forward_step_func(self):
+        """megatron-core's forward-step contract: (data_iterator, model) -> (output, loss_func)."""
+        return partial(forward_step, seq_length=self.cfg.seq_length)
+
+    def _iterator(self, dataset, consumed: int, cycle: bool):
+        return build_iterator(dataset, self.cfg, consumed, cycle)
+
     @property
     def iteration(self) -> int:
         return self.state.iteration
@@ -195,13 +223,13 @@ class Trainer:
     def _iterators(self, dataset, consumed: int, cycle: bool):
         """One iterator per model chunk (virtual pipeline stages each read the micro batches)."""
         n = len(self.model)
-        return [build_iterator(dataset, self.cfg, consumed, cycle) for _ in range(n)] if n > 1 else \
-            build_iterator(dataset, self.cfg, consumed, cycle)
+        return [self._iterator(dataset, consumed, cycle) for _ in range(n)] if n > 1 else \
+            self._iterator(dataset, consumed, cycle)
 
     def _run_batches(self, iterator, forward_only: bool):
         cfg = self.cfg
         return self.fwd_bwd(
-            forward_step_func=partial(forward_step, seq_length=cfg.seq_length), data_iterator=iterator,
+            forward_step_func=self._forward_step_func(), data_iterator=iterator,
             model=self.model, num_microbatches=cfg.num_microbatches, seq_length=cfg.seq_length,
             micro_batch_size=cfg.micro_batch_size, forward_only=forward_only,
         )

@@ -17,8 +17,13 @@ def task_class(task: str):
 
 
 def run_task(args: argparse.Namespace):
-    """Fine-tune --pretrained-model-name-or-path on --data-path for --task; returns the last validation metrics."""
+    """Fine-tune (or, --task pretraining, pretrain) --pretrained-model-name-or-path on --data-path for --task;
+    returns the last validation metrics (pretraining: the per-iteration history)."""
     from megatron_patch.templates.engine import RapidformerEngine
 
     engine = RapidformerEngine(args)
+    if args.task == "pretraining":
+        from .pretraining import BlackBoxPreTrainer
+
+        return BlackBoxPreTrainer(engine).train()
     return task_class(args.task)(engine).train()

@@ -1,0 +1,178 @@
+"""The PreTrainer with a Megatron model: the user's hooks drive the engine's Trainer (megatron_patch.training).
+
+The engine's order is kept (process groups and seeds, then datasets, then the model, then the wrappers,
+optimizer and schedule), so the same flags give the same samples, weights and losses as
+`pretrain_megatron_gpt.py`. The user's `run_forward_step(data_iterator, model)` returns a loss; megatron-core's
+schedules want `(output, loss_func)` from every pipeline stage, and hidden states from every stage but the
+last. `_StageModel` stands for the model in the user's code: it records what the real model chunk returned,
+and on a stage that is not the last gives the user's loss code per-token zeros of the right shape, so the
+code runs as written while the schedule sends the recorded hidden states on.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import List, Optional
+
+import torch
+
+from megatron_patch.config import Config, ConfigError
+
+from .globals import get_logger
+
+_CONFIG: Optional[Config] = None
+
+# rapidformer flags whose engine name differs; every other Config field is taken by its own name
+_RENAMED = {"torch_compile": "compile"}
+# Hugging Face-only switches: the Megatron engine shards with ZeRO-1/2 (its distributed optimizer, Megatron-FSDP)
+_HF_ONLY = ("oss_memory_optimization", "oss_sdp_memory_optimization", "fsdp_memory_optimization",
+            "onnx_runtime_training")
+
+
+def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Config:
+    """The engine's Config for the `rapidformer` flags (not yet validated). `accelerations=False` leaves out the
+    switches (ZeRO, precision, recompute, offload, compile): enough to start process groups before the model
+    says whether it is a Megatron model."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    switches = {"zero_1_memory_optimization", "zero_2_memory_optimization", "zero_3_memory_optimization", "bf16",
+                "fp16", "mixed_precision", "checkpoint_activations", "cpu_offload", "compile"}
+    values = {}
+    for key, value in vars(args).items():
+        key = _RENAMED.get(key, key)
+        if key in names and value is not None and (accelerations or key not in switches):
+            values[key] = value
+    if isinstance(values.get("data_path"), str):
+        values["data_path"] = values["data_path"].split()
+    values["lr_warmup_iters"] = values.get("lr_warmup_iters") or 0
+    values["data_iterator"] = "fixed-shape"  # the template's own iterator handles dynamic-shape
+    for key in ("load",):  # Hugging Face templates default --load to the model directory; the engine does not
+        if values.get(key) and values.get(key) == getattr(args, "pretrained_model_name_or_path", None):
+            values.pop(key)
+    cfg = Config(**values)
+    if accelerations:
+        used = [f"--{n.replace('_', '-')}" for n in _HF_ONLY if getattr(args, n, False)]
+        if used:
+            raise ConfigError(f"{', '.join(used)}: a Hugging Face acceleration; a Megatron model is sharded with "
+                              "--zero-1-memory-optimization (distributed optimizer) or --zero-2-memory-optimization "
+                              "(Megatron-FSDP): use one of those")
+        if cfg.mixed_precision and cfg.zero_2_memory_optimization:
+            # megatron-core's fp16 loss scaling does not run under Megatron-FSDP: bf16 needs none
+            cfg.mixed_precision, cfg.bf16 = False, True
+            get_logger().info("--mixed-precision with --zero-2-memory-optimization runs in bf16: Megatron-FSDP has no "
+                              "fp16 loss scaling, and bf16 needs none")
+    return cfg
+
+
+def set_current_config(cfg: Optional[Config]) -> None:
+    global _CONFIG
+    _CONFIG = cfg
+
+
+def current_config() -> Config:
+    """The engine Config of the PreTrainer run under way (for GPTModel())."""
+    if _CONFIG is None:
+        raise RuntimeError("GPTModel() builds this rank's stage of the PreTrainer run's model: call it inside "
+                           "model_optimizer_lr_scheduler_provider(), once PreTrainer.train() has started")
+    return _CONFIG
+
+
+def is_megatron_model(model) -> bool:
+    """A megatron-core module (or a list of them, one per virtual pipeline stage)."""
+    from megatron.core.transformer.module import MegatronModule
+
+    chunks = model if isinstance(model, (list, tuple)) else [model]
+    return bool(chunks) and all(isinstance(c, MegatronModule) for c in chunks)
+
+
+def _is_post_process(chunk: torch.nn.Module) -> bool:
+    inner = chunk
+    while not hasattr(inner, "post_process") and isinstance(getattr(inner, "module", None), torch.nn.Module):
+        inner = inner.module
+    return bool(getattr(inner, "post_process", True))
+
+
+class _StageModel:
+    """The `model` the user's run_forward_step calls: the real chunk, whose output is recorded."""
+
+    def __init__(self, chunk: torch.nn.Module, last: bool) -> None:
+        self._chunk, self._last, self.output = chunk, last, None
+
+    def __call__(self, *args, **kwargs):
+        out = self._chunk(*args, **kwargs)
+        self.output = out
+        if self._last:
+            return out
+        # Not the last stage: `out` is hidden states [s, b, h] for the next stage. The user's code computes a
+        # loss from per-token losses [b, s]; zeros let it run, and its result is not used.
+        tokens = args[0] if args else kwargs.get("input_ids")
+        shape = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else (out.shape[1], out.shape[0])
+        return torch.zeros(shape, dtype=torch.float32, device=out.device)
+
+    def __getattr__(self, name: str):
+        return getattr(self._chunk, name)
+
+
+def _loss_func(loss: torch.Tensor):
+    def loss_func(output_tensor):
+        return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
+    return loss_func
+
+
+def _unused_loss_func(output_tensor):
+    raise RuntimeError("internal: a loss function was called on a pipeline stage that is not the last")
+
+
+def megatron_forward_step(run_forward_step):
+    """megatron-core's forward-step function around the user's `run_forward_step(data_iterator, model)`."""
+    def forward_step(data_iterator, model):
+        last = _is_post_process(model)
+        stage = _StageModel(model, last)
+        loss = run_forward_step(data_iterator, stage)
+        if stage.output is None:
+            raise RuntimeError("run_forward_step(data_iterator, model) returned without calling model(...): the "
+                               "pipeline needs the model's output")
+        if last:
+            if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+                raise TypeError("run_forward_step(data_iterator, model) must return the loss as a 0-dim tensor, got "
+                                f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
+            return loss, _loss_func(loss)
+        return stage.output, _unused_loss_func
+    return forward_step
+
+
+def data_iterator_on_reader(build):
+    """Only tensor-parallel rank 0 reads batches (the samples' broadcast_data sends them on); the others get None."""
+    from megatron.core import parallel_state as mpu
+
+    return build() if mpu.get_tensor_model_parallel_rank() == 0 else None
+
+
+def run(pretrainer, cfg: Config, datasets, model) -> List[dict]:
+    """Train a Megatron model with the engine: `datasets` and `model` come from the user's hooks."""
+    from megatron_patch.training.data import build_iterator
+    from megatron_patch.training.loop import Trainer
+
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    forward = megatron_forward_step(pretrainer.run_forward_step)
+
+    class TemplateTrainer(Trainer):
+        def _initialize(self, c: Config) -> Config:
+            return c  # process groups and seeds were set before the hooks ran, as the engine orders them
+
+        def _build_datasets(self):
+            return datasets
+
+        def _build_chunks(self, vocab: int) -> List[torch.nn.Module]:
+            return chunks
+
+        def _forward_step_func(self):
+            return forward
+
+        def _iterator(self, dataset, consumed: int, cycle: bool):
+            if dataset is None:
+                return None
+            return data_iterator_on_reader(lambda: build_iterator(dataset, self.cfg, consumed, cycle))
+
+    trainer = TemplateTrainer(cfg)
+    pretrainer.trainer = trainer
+    return trainer.train()

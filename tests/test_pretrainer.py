@@ -1,0 +1,262 @@
+"""The PreTrainer template and black-box `--task pretraining`: the how-to's Megatron GPT sample against the
+engine (TP2 x PP2, ZeRO-2, recompute: 4 CPU processes), its Hugging Face BERT sample (loss falls, exact resume),
+black-box pretraining of BERT and GPT models, and the helpers the samples call."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from conftest import ROOT, run_tool
+from engine_utils import run_engine
+from finetune_utils import explain, minilm_dir, rapidformer, tiny_model
+
+GPT_SAMPLE = os.path.join(ROOT, "examples", "rapidformer_pretrain_megatron_gpt_trainer.py")
+BERT_SAMPLE = os.path.join(ROOT, "examples", "rapidformer_pretrain_huggingface_bert_trainer.py")
+
+
+def _jsonl(path, texts):
+    with open(path, "w") as f:
+        for t in texts:
+            f.write(json.dumps({"text": t}) + "\n")
+
+
+@pytest.fixture(scope="module")
+def corpora(tmp_path_factory, texts, gpt2_files):
+    """Real text made into both kinds of Megatron data by tools/preprocess_data.py: GPT-2 BPE documents and
+    MiniLM WordPiece sentences (--split-sentences) and documents."""
+    d = tmp_path_factory.mktemp("pretrain_data")
+    _jsonl(d / "docs.jsonl", texts[:400])
+    vocab, merges = gpt2_files
+    run_tool("preprocess_data.py", "--input", str(d / "docs.jsonl"), "--output-prefix", str(d / "gpt"),
+             "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", vocab, "--merge-file", merges, "--append-eod")
+    wp = os.path.join(minilm_dir(), "vocab.txt")
+    run_tool("preprocess_data.py", "--input", str(d / "docs.jsonl"), "--output-prefix", str(d / "bert"),
+             "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", wp, "--split-sentences")
+    run_tool("preprocess_data.py", "--input", str(d / "docs.jsonl"), "--output-prefix", str(d / "wpdoc"),
+             "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", wp, "--append-eod")
+    return {"gpt": str(d / "gpt_text_document"), "gpt_vocab": vocab, "gpt_merges": merges,
+            "bert": str(d / "bert_text_sentence"), "wp_doc": str(d / "wpdoc_text_document"), "wp_vocab": wp}
+
+
+def _lines(path):
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def _train(lines):
+    return [x for x in lines if "loss" in x and x.get("split", "train") == "train" and "grad_norm" in x]
+
+
+# ---- the Megatron GPT sample drives the engine ------------------------------------------------------------------
+def test_megatron_gpt_sample_equals_the_engine_at_tp2_pp2_zero2_recompute(corpora, tmp_path):
+    """The how-to's Megatron sample, as written (run_forward_step returns a loss), with TP2 x PP2 (4 CPU
+    processes), ZeRO-2 and activation checkpointing: per-iteration losses, grad norms and validation losses of
+    pretrain_megatron_gpt.py on the same data, model and seed, within 1e-5 (fp32)."""
+    flags = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "2",
+             "--global-batch-size", "8", "--seq-length", "32", "--max-position-embeddings", "32",
+             "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", corpora["gpt_vocab"], "--merge-file",
+             corpora["gpt_merges"], "--data-path", corpora["gpt"], "--split", "980,20", "--lr", "1e-3",
+             "--lr-decay-style", "linear", "--weight-decay", "1e-2", "--clip-grad", "1.0", "--lr-warmup-fraction",
+             ".01", "--train-iters", "4", "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
+             "--seed", "11", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+             "--zero-2-memory-optimization", "--checkpoint-activations"]
+    engine, _ = run_engine(tmp_path / "engine", 4, *flags, base=[])
+    metrics = str(tmp_path / "rf.jsonl")
+    proc = rapidformer("--user-script", GPT_SAMPLE, *flags, "--nproc-per-node", "4", "--metrics-file", metrics)
+    assert proc.returncode == 0, explain(proc)
+    assert "megatron-core model: training with the engine" in proc.stdout
+    ours = _lines(metrics)
+    e_train, o_train = _train(engine), _train(ours)
+    assert len(e_train) == len(o_train) == 4
+    for e, o in zip(e_train, o_train):
+        assert abs(e["loss"] - o["loss"]) < 1e-5 and abs(e["grad_norm"] - o["grad_norm"]) < 1e-5, (e, o)
+    e_val = [x["valid_loss"] for x in engine if "valid_loss" in x]
+    o_val = [x["valid_loss"] for x in ours if "valid_loss" in x]
+    assert len(e_val) == len(o_val) == 2 and all(abs(a - b) < 1e-5 for a, b in zip(e_val, o_val))
+    assert o_train[-1]["loss"] < o_train[0]["loss"]
+
+
+# ---- the Hugging Face BERT sample ----------------------------------------------------------------------------------
+def _bert_flags(model, corpora, iters, *extra):
+    return ["--user-script", BERT_SAMPLE, "--pretrained-model-name-or-path", model, "--micro-batch-size", "8",
+            "--global-batch-size", "16", "--seq-length", "64", "--tokenizer-type", "BertWordPieceLowerCase",
+            "--max-position-embeddings", "64", "--train-iters", str(iters), "--data-path", corpora["bert"],
+            "--vocab-file", corpora["wp_vocab"], "--data-impl", "mmap", "--split", "980,20", "--lr", "1e-3",
+            "--lr-decay-style", "linear", "--weight-decay", "1e-2", "--clip-grad", "1.0", "--lr-warmup-fraction",
+            ".01", "--log-interval", "1", "--eval-interval", "1000", "--seed", "5", *extra]
+
+
+@pytest.mark.parametrize("sharding", ["--zero-1-memory-optimization",
+                                      pytest.param("--zero-3-memory-optimization", marks=pytest.mark.slow)])
+def test_bert_sample_resumes_exactly(corpora, tmp_path, sharding):
+    """The how-to's BERT PreTrainer sample on 2 workers (ZeRO-1: optimizer shards per rank; ZeRO-3: FSDP2
+    through torch.distributed.checkpoint): 6 iterations with a checkpoint at 3; a second run resumed from that
+    checkpoint gives iterations 4-6 exactly (dropout on: the RNG state and the data position are restored)."""
+    model = tiny_model("bert", str(tmp_path / "bert"))
+    full = str(tmp_path / "full")
+    proc = rapidformer(*_bert_flags(model, corpora, 6, sharding, "--nproc-per-node", "2", "--save", full,
+                                    "--save-interval", "3"))
+    assert proc.returncode == 0, explain(proc)
+    whole = _train(_lines(os.path.join(full, "metrics.jsonl")))
+    resume = str(tmp_path / "resume")
+    shutil.copytree(full, resume)
+    with open(os.path.join(resume, "latest_iteration.txt"), "w") as f:
+        f.write("3")
+    os.remove(os.path.join(resume, "metrics.jsonl"))
+    proc = rapidformer(*_bert_flags(model, corpora, 6, sharding, "--nproc-per-node", "2", "--load", resume,
+                                    "--save", resume, "--save-interval", "3"))
+    assert proc.returncode == 0, explain(proc)
+    assert "resumed from" in proc.stdout
+    resumed = _train(_lines(os.path.join(resume, "metrics.jsonl")))
+    assert [x["iteration"] for x in resumed] == [4, 5, 6]
+    for a, b in zip(whole[3:], resumed):
+        assert a["loss"] == pytest.approx(b["loss"], abs=1e-6) and a["grad_norm"] == pytest.approx(b["grad_norm"],
+                                                                                                  abs=1e-6), (a, b)
+
+
+# ---- black-box --task pretraining ----------------------------------------------------------------------------------
+def test_blackbox_bert_pretraining_howto_command_loss_falls(corpora, tmp_path):
+    """The how-to's black-box command (--fsdp-memory-optimization; ORT and fp16 left out on a CPU) with the
+    real MiniLM directory and tiny shape flags: new weights (said in the log), MLM + NSP loss falls, the model
+    is saved with save_pretrained and loads in transformers."""
+    save = str(tmp_path / "out")
+    proc = rapidformer("--task", "pretraining", "--pretrained-model-name-or-path", minilm_dir(), "--num-layers", "2",
+                       "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "8",
+                       "--global-batch-size", "16", "--seq-length", "64", "--tokenizer-type", "BertWordPieceLowerCase",
+                       "--max-position-embeddings", "64", "--train-iters", "24", "--data-path", corpora["bert"],
+                       "--vocab-file", corpora["wp_vocab"], "--data-impl", "mmap", "--split", "980,20", "--lr", "1e-3",
+                       "--lr-decay-style", "linear", "--min-lr", "0.0", "--lr-decay-iters", "2000", "--weight-decay",
+                       "1e-2", "--clip-grad", "1.0", "--lr-warmup-fraction", ".01", "--fsdp-memory-optimization",
+                       "--nproc-per-node", "2", "--log-interval", "1", "--eval-interval", "12", "--eval-iters", "4",
+                       "--save", save)
+    assert proc.returncode == 0, explain(proc)
+    assert "model: new weights (the shape flags differ" in proc.stdout and "num_hidden_layers 6 -> 2" in proc.stdout
+    lines = _lines(os.path.join(save, "metrics.jsonl"))
+    losses = [x["loss"] for x in _train(lines)]
+    assert len(losses) == 24 and sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.5, losses
+    val = [x["loss"] for x in lines if x.get("split") == "validation"]
+    assert len(val) == 2 and val[1] < val[0]
+    from transformers import BertForPreTraining
+
+    model = BertForPreTraining.from_pretrained(save)
+    assert model.config.num_hidden_layers == 2 and model.config.hidden_size == 64
+
+
+def test_blackbox_causal_pretraining_starts_from_the_directory_weights(corpora, tmp_path):
+    """A GPT-2 directory whose shape the flags match: training starts from its weights (the first loss equals
+    the directory model's loss on the first batch), the causal loss falls."""
+    model_dir = tiny_model("gpt2", str(tmp_path / "gpt2"))
+    save = str(tmp_path / "out")
+    proc = rapidformer("--task", "pretraining", "--pretrained-model-name-or-path", model_dir, "--num-layers", "2",
+                       "--hidden-size", "64", "--num-attention-heads", "4", "--micro-batch-size", "4",
+                       "--global-batch-size", "4", "--seq-length", "32", "--tokenizer-type", "BertWordPieceLowerCase",
+                       "--vocab-file", corpora["wp_vocab"], "--data-path", corpora["wp_doc"], "--split", "98,2",
+                       "--train-iters", "20", "--lr", "3e-3", "--log-interval", "1", "--eval-interval", "1000",
+                       "--seed", "3", "--save", save)
+    assert proc.returncode == 0, explain(proc)
+    assert "model: starting from the weights in" in proc.stdout
+    losses = [x["loss"] for x in _train(_lines(os.path.join(save, "metrics.jsonl")))]
+    assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3, losses
+    # the first loss is the directory model's on the first 4 samples
+    from transformers import GPT2LMHeadModel
+
+    from megatron_patch.cli.arguments import parse_args
+    from megatron_patch.templates.globals import set_args
+    from megatron_patch.templates.gpt_samples import build_train_valid_test_datasets
+
+    set_args(parse_args(["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", corpora["wp_vocab"]]))
+    train, _, _ = build_train_valid_test_datasets(corpora["wp_doc"], "mmap", "98,2", [80, 4, 4], 32, 3)
+    text = torch.stack([torch.as_tensor(train[i]["text"]) for i in range(4)])
+    ref = GPT2LMHeadModel.from_pretrained(model_dir).train(False)
+    with torch.no_grad():
+        logits = ref(input_ids=text[:, :-1]).logits
+    first = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), text[:, 1:].reshape(-1)).item()
+    # dropout is on in training (GPT-2's 0.1), so compare loosely: the same model, not a new one (~ln 30522 = 10.3)
+    assert abs(losses[0] - first) < 0.15, (losses[0], first)
+
+
+# ---- refusals in words -------------------------------------------------------------------------------------------
+def test_tensor_parallelism_with_a_hugging_face_model_is_refused(corpora, tmp_path):
+    model = tiny_model("bert", str(tmp_path / "bert"))
+    proc = rapidformer(*_bert_flags(model, corpora, 2, "--tensor-model-parallel-size", "2", "--nproc-per-node", "2"))
+    assert proc.returncode != 0
+    assert "tensor and pipeline parallelism are for Megatron models" in proc.stdout + proc.stderr
+
+
+def test_front_end_rules_for_pretraining():
+    from megatron_patch.cli.arguments import UsageError, parse_args
+    from megatron_patch.cli.rules import check
+
+    with pytest.raises(UsageError, match="--task pretraining needs --data-path, --tokenizer-type, --vocab-file"):
+        check(parse_args(["--task", "pretraining", "--pretrained-model-name-or-path", "m", "--train-iters", "5"]), 1)
+    # the how-to's Megatron command: a user script with TP2 x PP2 on 4 workers is accepted; DP = 1, so 128
+    # samples of 16 are 8 micro batches
+    a = check(parse_args(["--user-script", GPT_SAMPLE, "--tensor-model-parallel-size", "2",
+                          "--pipeline-model-parallel-size", "2", "--micro-batch-size", "16", "--global-batch-size",
+                          "128", "--train-iters", "100"]), 4)
+    assert a.grad_accumulation == 8 and a.epochs is None
+    a = check(parse_args(["--task", "pretraining", "--pretrained-model-name-or-path", "m", "--data-path", "d",
+                          "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", "v", "--train-iters", "5"]), 1)
+    assert a.save and any("--save not given" in n for n in a.notes)
+
+
+# ---- what the samples call -----------------------------------------------------------------------------------------
+def _ltor_reference(data, eod, reset_pos, reset_att, eod_mask):
+    """Position by position: document of each token, then the masks and positions."""
+    b, s = data.shape
+    att = torch.zeros(b, 1, s, s, dtype=torch.bool)
+    pos = torch.zeros(b, s, dtype=torch.long)
+    loss = torch.ones(b, s)
+    for i in range(b):
+        doc, start = [], 0
+        for t in range(s):
+            doc.append(start)
+            if data[i, t] == eod:
+                start = t + 1
+        for q in range(s):
+            pos[i, q] = q - doc[q] if reset_pos else q
+            for k in range(s):
+                att[i, 0, q, k] = k > q or (reset_att and doc[k] != doc[q])
+            if eod_mask and data[i, q] == eod:
+                loss[i, q] = 0
+    return att, loss, pos
+
+
+@pytest.mark.parametrize("reset_pos,reset_att,eod_mask", [(False, False, False), (True, True, True),
+                                                           (True, False, False)])
+def test_ltor_masks_and_position_ids_match_a_per_token_reference(reset_pos, reset_att, eod_mask):
+    from megatron_patch.templates.gpt_samples import get_ltor_masks_and_position_ids
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 6, (3, 17), generator=g)  # eod = 0: several documents per row
+    att, loss, pos = get_ltor_masks_and_position_ids(data, 0, reset_pos, reset_att, eod_mask)
+    r_att, r_loss, r_pos = _ltor_reference(data, 0, reset_pos, reset_att, eod_mask)
+    assert torch.equal(att.expand_as(r_att), r_att) and torch.equal(loss, r_loss) and torch.equal(pos, r_pos)
+
+
+def test_broadcast_data_without_tensor_parallelism_moves_and_casts():
+    from megatron_patch.templates import mpu
+
+    out = mpu.broadcast_data(["a", "b"], {"a": torch.arange(6).view(2, 3).int(), "b": [1, 0]}, torch.int64)
+    assert out["a"].dtype == torch.int64 and out["a"].shape == (2, 3) and out["b"].tolist() == [1, 0]
+    with pytest.raises(KeyError, match=r"no \['c'\]"):
+        mpu.broadcast_data(["c"], {"a": torch.zeros(1)}, torch.int64)
+    with pytest.raises(ValueError, match="data iterator ran out"):
+        mpu.broadcast_data(["a"], None, torch.int64)
+    assert callable(mpu.get_tensor_model_parallel_rank)  # megatron-core's parallel state is there too
+
+
+def test_the_documented_imports_work():
+    import rapidformer
+    from rapidformer import (Pretrainer, PreTrainer, build_train_valid_test_datasets,  # noqa: F401
+                             build_train_valid_test_datasets_for_huggingface, get_ltor_masks_and_position_ids,
+                             get_tokenizer, mpu)
+    from megatron_patch.models import GPTModel
+
+    assert Pretrainer is PreTrainer and callable(GPTModel) and hasattr(rapidformer.mpu, "broadcast_data")
+    with pytest.raises(RuntimeError, match="model_optimizer_lr_scheduler_provider"):
+        GPTModel()
