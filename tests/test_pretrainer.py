@@ -90,24 +90,26 @@ def _bert_flags(model, corpora, iters, *extra):
             ".01", "--log-interval", "1", "--eval-interval", "1000", "--seed", "5", *extra]
 
 
-@pytest.mark.parametrize("sharding", ["--zero-1-memory-optimization",
-                                      pytest.param("--zero-3-memory-optimization", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sharding", [("--zero-1-memory-optimization", "--data-iterator", "dynamic-shape"),
+                                      pytest.param(("--zero-3-memory-optimization",), marks=pytest.mark.slow)])
 def test_bert_sample_resumes_exactly(corpora, tmp_path, sharding):
-    """The how-to's BERT PreTrainer sample on 2 workers (ZeRO-1: optimizer shards per rank; ZeRO-3: FSDP2
-    through torch.distributed.checkpoint): 6 iterations with a checkpoint at 3; a second run resumed from that
-    checkpoint gives iterations 4-6 exactly (dropout on: the RNG state and the data position are restored)."""
+    """The how-to's BERT PreTrainer sample on 2 workers (ZeRO-1: optimizer shards per rank, with
+    --data-iterator dynamic-shape; ZeRO-3: FSDP2 through torch.distributed.checkpoint): 6 iterations with a
+    checkpoint at 3; a second run resumed from that checkpoint gives iterations 4-6 exactly (dropout on: the RNG
+    state and the data position are restored)."""
     model = tiny_model("bert", str(tmp_path / "bert"))
     full = str(tmp_path / "full")
-    proc = rapidformer(*_bert_flags(model, corpora, 6, sharding, "--nproc-per-node", "2", "--save", full,
+    proc = rapidformer(*_bert_flags(model, corpora, 6, *sharding, "--nproc-per-node", "2", "--save", full,
                                     "--save-interval", "3"))
     assert proc.returncode == 0, explain(proc)
+    assert ("dynamic-shape: padding" in proc.stdout) == ("dynamic-shape" in sharding)
     whole = _train(_lines(os.path.join(full, "metrics.jsonl")))
     resume = str(tmp_path / "resume")
     shutil.copytree(full, resume)
     with open(os.path.join(resume, "latest_iteration.txt"), "w") as f:
         f.write("3")
     os.remove(os.path.join(resume, "metrics.jsonl"))
-    proc = rapidformer(*_bert_flags(model, corpora, 6, sharding, "--nproc-per-node", "2", "--load", resume,
+    proc = rapidformer(*_bert_flags(model, corpora, 6, *sharding, "--nproc-per-node", "2", "--load", resume,
                                     "--save", resume, "--save-interval", "3"))
     assert proc.returncode == 0, explain(proc)
     assert "resumed from" in proc.stdout
@@ -260,3 +262,55 @@ def test_the_documented_imports_work():
     assert Pretrainer is PreTrainer and callable(GPTModel) and hasattr(rapidformer.mpu, "broadcast_data")
     with pytest.raises(RuntimeError, match="model_optimizer_lr_scheduler_provider"):
         GPTModel()
+
+
+# ---- --data-iterator dynamic-shape ---------------------------------------------------------------------------------
+def test_dynamic_shape_keeps_each_steps_samples_and_their_losses_with_less_padding(corpora):
+    """The micro batches of one step hold the same samples as fixed-shape, cut to their longest sample; every
+    sample's masked-LM + NSP loss (a tiny BertForPreTraining, eval mode) is the one it has when padded to
+    --seq-length, and fewer tokens are computed."""
+    from transformers import BertConfig, BertForPreTraining
+
+    from megatron_patch.cli.arguments import parse_args
+    from megatron_patch.templates.globals import set_args
+    from megatron_patch.templates.pretrain_hf import DynamicShape
+    from megatron_patch.templates.pretraining_data import build_train_valid_test_datasets_for_huggingface
+
+    set_args(parse_args(["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", corpora["wp_vocab"]]))
+    train, _, _ = build_train_valid_test_datasets_for_huggingface(corpora["bert"], "mmap", "980,20", [48, 8, 0], 128,
+                                                                  0.15, 0.1, 5, True, True)
+    loader = torch.utils.data.DataLoader(train, batch_size=4)
+    fixed = [b for _, b in zip(range(12), loader)]
+    dyn = DynamicShape(iter(fixed), accum=3, seq_length=128)
+    regrouped = [next(dyn) for _ in range(12)]
+    assert dyn.computed < 0.95 * dyn.fixed and dyn.real == sum(int(b["attention_mask"].sum()) for b in fixed)
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
+                                          num_attention_heads=2, intermediate_size=64, max_position_embeddings=128))
+    model.train(False)
+
+    def per_sample(batches):
+        out = {}
+        with torch.no_grad():
+            for b in batches:
+                o = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                          token_type_ids=b["token_type_ids"])
+                mlm = torch.nn.functional.cross_entropy(o.prediction_logits.transpose(1, 2), b["labels"],
+                                                        ignore_index=-100, reduction="none").sum(1)
+                nsp = torch.nn.functional.cross_entropy(o.seq_relationship_logits, b["next_sentence_label"],
+                                                        reduction="none")
+                for row in range(len(mlm)):
+                    real = b["input_ids"][row][b["attention_mask"][row].bool()]
+                    out.setdefault(tuple(real.tolist()), []).append((mlm[row].item(), nsp[row].item()))
+        return out
+
+    a, b = per_sample(fixed), per_sample(regrouped)
+    assert a.keys() == b.keys() and sum(len(v) for v in b.values()) == 48
+    for key in a:
+        for (m1, n1), (m2, n2) in zip(sorted(a[key]), sorted(b[key])):
+            assert abs(m1 - m2) < 1e-4 and abs(n1 - n2) < 1e-5
+    # each step's samples are the same: step k of both holds the same sample keys
+    for step in range(4):
+        keys = [{tuple(r[m.bool()].tolist()) for bb in batches[3 * step:3 * step + 3]
+                 for r, m in zip(bb["input_ids"], bb["attention_mask"])} for batches in (fixed, regrouped)]
+        assert keys[0] == keys[1]

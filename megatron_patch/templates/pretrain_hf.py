@@ -47,6 +47,55 @@ def _loader(dataset, cfg, consumed: int, cycle: bool):
     return forever()
 
 
+class DynamicShape:
+    """`--data-iterator dynamic-shape`: the micro batches of one optimizer step (this worker's share of a global
+    batch: the same samples as fixed-shape) are regrouped by length (sorted, so similar lengths share a batch)
+    and each is cut to its longest sample, rounded up to a multiple of `multiple`, instead of --seq-length.
+    Padding is masked out of attention and of the loss, so every sample's loss per token is the one fixed-shape
+    gives. Counts real and computed tokens for the padding fraction."""
+
+    def __init__(self, base, accum: int, seq_length: int, multiple: int = 8) -> None:
+        self.base, self.accum, self.seq_length, self.multiple = base, accum, seq_length, multiple
+        self.real = self.computed = self.fixed = 0
+        self._queue: List[Dict] = []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Dict:
+        if not self._queue:
+            self._queue = self._regroup([next(self.base) for _ in range(self.accum)])
+        return self._queue.pop(0)
+
+    def _regroup(self, batches: List[Dict]) -> List[Dict]:
+        if "attention_mask" not in batches[0]:
+            raise ValueError("--data-iterator dynamic-shape cuts the padding of samples with an attention_mask "
+                             "(BERT-style sentence pairs); these samples have none (GPT samples are packed to "
+                             "--seq-length and carry no padding): drop the flag")
+        sizes = [len(b["attention_mask"]) for b in batches]
+        merged = {k: torch.cat([torch.as_tensor(b[k]) for b in batches]) for k in batches[0]}
+        lengths = merged["attention_mask"].sum(dim=1)
+        order = torch.argsort(lengths, stable=True)
+        out, start = [], 0
+        for size in sizes:
+            idx = order[start:start + size]
+            start += size
+            width = min(self.seq_length, int(-(-int(lengths[idx].max()) // self.multiple) * self.multiple))
+            full = merged["attention_mask"].shape[1]
+            out.append({k: (v[idx][:, :width] if v.dim() >= 2 and v.shape[1] == full else v[idx])
+                        for k, v in merged.items()})
+            self.real += int(lengths[idx].sum())
+            self.computed += len(idx) * width
+            self.fixed += len(idx) * full
+        return out
+
+    def describe(self) -> str:
+        pad = 1 - self.real / self.computed if self.computed else 0.0
+        fixed = 1 - self.real / self.fixed if self.fixed else 0.0
+        return (f"dynamic-shape: padding {pad:.1%} of computed tokens (fixed-shape: {fixed:.1%}); "
+                f"{self.computed:,} tokens computed instead of {self.fixed:,}")
+
+
 def check_not_parallel(cfg) -> None:
     tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
     if tp > 1 or pp > 1:
@@ -219,6 +268,10 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
              f"worker x {world} worker(s) x {accum} accumulation), {len(train_ds)} training samples")
     train_iter = _loader(train_ds, cfg, start * cfg.global_batch_size, cycle=False)
     valid_iter = _loader(valid_ds, cfg, 0, cycle=True) if valid_ds is not None and cfg.eval_iters > 0 else None
+    dynamic = args.data_iterator == "dynamic-shape"
+    if dynamic:
+        train_iter = DynamicShape(train_iter, accum, cfg.seq_length)
+        valid_iter = DynamicShape(valid_iter, accum, cfg.seq_length) if valid_iter is not None else None
     reporter = _Log(args, rank)
     history: List[Dict] = []
     loss_sum, count, tick, since = torch.zeros((), device=device), 0, time.perf_counter(), 0
@@ -245,7 +298,8 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
             elapsed = time.perf_counter() - tick
             log.info(f"iteration {iteration}/{cfg.train_iters} | loss {record['loss']:.4f} | lr {lr:.3e} | grad norm "
                      f"{record['grad_norm']:.3f} | {since * cfg.global_batch_size / elapsed:.1f} samples/s"
-                     + (" | step skipped (inf/nan gradients)" if skipped else ""))
+                     + (" | step skipped (inf/nan gradients)" if skipped else "")
+                     + (f" | {train_iter.describe()}" if dynamic and iteration == cfg.train_iters else ""))
             reporter.write({**record, "samples_per_s": since * cfg.global_batch_size / elapsed})
             tick, since = time.perf_counter(), 0
         if valid_iter is not None and cfg.eval_interval and iteration % cfg.eval_interval == 0:

@@ -44,7 +44,7 @@ def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Confi
     if isinstance(values.get("data_path"), str):
         values["data_path"] = values["data_path"].split()
     values["lr_warmup_iters"] = values.get("lr_warmup_iters") or 0
-    values["data_iterator"] = "fixed-shape"  # the template's own iterator handles dynamic-shape
+    values["data_iterator"] = "fixed-shape"  # checked below for a Megatron model; the HF path has its own
     for key in ("load",):  # Hugging Face templates default --load to the model directory; the engine does not
         if values.get(key) and values.get(key) == getattr(args, "pretrained_model_name_or_path", None):
             values.pop(key)
@@ -55,6 +55,10 @@ def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Confi
             raise ConfigError(f"{', '.join(used)}: a Hugging Face acceleration; a Megatron model is sharded with "
                               "--zero-1-memory-optimization (distributed optimizer) or --zero-2-memory-optimization "
                               "(Megatron-FSDP): use one of those")
+        if getattr(args, "data_iterator", None) == "dynamic-shape":
+            raise ConfigError("--data-iterator dynamic-shape: a Megatron model's pipeline sends activations of a fixed "
+                              "--seq-length between stages, and GPT samples are packed to it with no padding to cut; "
+                              "drop the flag (it applies to Hugging Face models on padded BERT-style samples)")
         if cfg.mixed_precision and cfg.zero_2_memory_optimization:
             # megatron-core's fp16 loss scaling does not run under Megatron-FSDP: bf16 needs none
             cfg.mixed_precision, cfg.bf16 = False, True
