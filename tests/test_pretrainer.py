@@ -69,6 +69,7 @@ def test_megatron_gpt_sample_equals_the_engine_at_tp2_pp2_zero2_recompute(corpor
     proc = rapidformer("--user-script", GPT_SAMPLE, *flags, "--nproc-per-node", "4", "--metrics-file", metrics)
     assert proc.returncode == 0, explain(proc)
     assert "megatron-core model: training with the engine" in proc.stdout
+    assert "ZeRO-2" in proc.stdout and "recompute full" in proc.stdout  # the switches reached the model GPTModel() built
     ours = _lines(metrics)
     e_train, o_train = _train(engine), _train(ours)
     assert len(e_train) == len(o_train) == 4
@@ -266,9 +267,9 @@ def test_the_documented_imports_work():
 
 # ---- --data-iterator dynamic-shape ---------------------------------------------------------------------------------
 def test_dynamic_shape_keeps_each_steps_samples_and_their_losses_with_less_padding(corpora):
-    """The micro batches of one step hold the same samples as fixed-shape, cut to their longest sample; every
-    sample's masked-LM + NSP loss (a tiny BertForPreTraining, eval mode) is the one it has when padded to
-    --seq-length, and fewer tokens are computed."""
+    """The micro batches of one step hold the same samples as fixed-shape, bucketed by length under the token
+    budget and cut to their longest sample; every sample's masked-LM + NSP loss (a tiny BertForPreTraining, eval
+    mode) is the one it has when padded to --seq-length; fewer tokens are computed."""
     from transformers import BertConfig, BertForPreTraining
 
     from megatron_patch.cli.arguments import parse_args
@@ -281,9 +282,16 @@ def test_dynamic_shape_keeps_each_steps_samples_and_their_losses_with_less_paddi
                                                                   0.15, 0.1, 5, True, True)
     loader = torch.utils.data.DataLoader(train, batch_size=4)
     fixed = [b for _, b in zip(range(12), loader)]
-    dyn = DynamicShape(iter(fixed), accum=3, seq_length=128)
-    regrouped = [next(dyn) for _ in range(12)]
-    assert dyn.computed < 0.95 * dyn.fixed and dyn.real == sum(int(b["attention_mask"].sum()) for b in fixed)
+    dyn = DynamicShape(iter(fixed), accum=3, micro_batch_size=4, seq_length=128, multiple=8)
+    steps = []
+    for _ in range(4):  # 4 steps of 3 fixed micro batches each
+        n = dyn.next_step()
+        steps.append([next(dyn) for _ in range(n)])
+        assert abs(sum(dyn.weights) - 1) < 1e-9 and dyn.weights == [len(b["input_ids"]) / 12 for b in steps[-1]]
+        for b in steps[-1]:  # within the token budget of 4 x 128 after padding (a micro batch may hold more samples)
+            assert b["input_ids"].numel() <= 4 * 128 or len(b["input_ids"]) == 1
+    regrouped = [b for step in steps for b in step]
+    assert dyn.computed < 0.9 * dyn.fixed and dyn.real == sum(int(b["attention_mask"].sum()) for b in fixed)
     torch.manual_seed(0)
     model = BertForPreTraining(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2,
                                           num_attention_heads=2, intermediate_size=64, max_position_embeddings=128))
@@ -310,7 +318,7 @@ def test_dynamic_shape_keeps_each_steps_samples_and_their_losses_with_less_paddi
         for (m1, n1), (m2, n2) in zip(sorted(a[key]), sorted(b[key])):
             assert abs(m1 - m2) < 1e-4 and abs(n1 - n2) < 1e-5
     # each step's samples are the same: step k of both holds the same sample keys
-    for step in range(4):
-        keys = [{tuple(r[m.bool()].tolist()) for bb in batches[3 * step:3 * step + 3]
-                 for r, m in zip(bb["input_ids"], bb["attention_mask"])} for batches in (fixed, regrouped)]
+    for k in range(4):
+        keys = [{tuple(r[m.bool()].tolist()) for bb in batches for r, m in zip(bb["input_ids"], bb["attention_mask"])}
+                for batches in (fixed[3 * k:3 * k + 3], steps[k])]
         assert keys[0] == keys[1]

@@ -48,15 +48,21 @@ def _loader(dataset, cfg, consumed: int, cycle: bool):
 
 
 class DynamicShape:
-    """`--data-iterator dynamic-shape`: the micro batches of one optimizer step (this worker's share of a global
-    batch: the same samples as fixed-shape) are regrouped by length (sorted, so similar lengths share a batch)
-    and each is cut to its longest sample, rounded up to a multiple of `multiple`, instead of --seq-length.
-    Padding is masked out of attention and of the loss, so every sample's loss per token is the one fixed-shape
-    gives. Counts real and computed tokens for the padding fraction."""
+    """`--data-iterator dynamic-shape`: the samples of one optimizer step (this worker's share of a global batch:
+    the same samples as fixed-shape) are bucketed by length with the C++ helper (`packing.bucket_by_length`)
+    into micro batches of at most --micro-batch-size x --seq-length tokens after padding, each cut to its
+    longest sample rounded up to `multiple`: short samples travel many to a micro batch, long ones few. Padding is
+    masked out of attention and of the loss, so every sample's loss is the one fixed-shape gives; each micro
+    batch's loss is weighted by its share of the step's samples. Every worker runs the same number of micro
+    batches (FSDP gathers parameters per forward): a worker with fewer splits its largest.
 
-    def __init__(self, base, accum: int, seq_length: int, multiple: int = 8) -> None:
+    The loop calls `next_step()` -> number of micro batches (and `weights`), then draws that many batches."""
+
+    def __init__(self, base, accum: int, micro_batch_size: int, seq_length: int, multiple: int = 64) -> None:
         self.base, self.accum, self.seq_length, self.multiple = base, accum, seq_length, multiple
+        self.budget = micro_batch_size * seq_length
         self.real = self.computed = self.fixed = 0
+        self.weights: List[float] = []
         self._queue: List[Dict] = []
 
     def __iter__(self):
@@ -64,36 +70,58 @@ class DynamicShape:
 
     def __next__(self) -> Dict:
         if not self._queue:
-            self._queue = self._regroup([next(self.base) for _ in range(self.accum)])
+            raise RuntimeError("dynamic-shape: run_forward_step drew more micro batches than this step has; draw one "
+                               "batch per call")
         return self._queue.pop(0)
 
-    def _regroup(self, batches: List[Dict]) -> List[Dict]:
+    def next_step(self) -> int:
+        from megatron_patch.data.packing import bucket_by_length
+
+        batches = [next(self.base) for _ in range(self.accum)]
         if "attention_mask" not in batches[0]:
             raise ValueError("--data-iterator dynamic-shape cuts the padding of samples with an attention_mask "
                              "(BERT-style sentence pairs); these samples have none (GPT samples are packed to "
                              "--seq-length and carry no padding): drop the flag")
-        sizes = [len(b["attention_mask"]) for b in batches]
         merged = {k: torch.cat([torch.as_tensor(b[k]) for b in batches]) for k in batches[0]}
         lengths = merged["attention_mask"].sum(dim=1)
-        order = torch.argsort(lengths, stable=True)
-        out, start = [], 0
-        for size in sizes:
-            idx = order[start:start + size]
-            start += size
+        groups = bucket_by_length(lengths.numpy(), self.budget, self.multiple)
+        groups = _equalize(groups)
+        total, full = len(lengths), merged["attention_mask"].shape[1]
+        self._queue, self.weights = [], []
+        for idx in groups:
+            idx = torch.as_tensor(idx)
             width = min(self.seq_length, int(-(-int(lengths[idx].max()) // self.multiple) * self.multiple))
-            full = merged["attention_mask"].shape[1]
-            out.append({k: (v[idx][:, :width] if v.dim() >= 2 and v.shape[1] == full else v[idx])
-                        for k, v in merged.items()})
+            self._queue.append({k: (v[idx][:, :width] if v.dim() >= 2 and v.shape[1] == full else v[idx])
+                                for k, v in merged.items()})
+            self.weights.append(len(idx) / total)
             self.real += int(lengths[idx].sum())
             self.computed += len(idx) * width
-            self.fixed += len(idx) * full
-        return out
+        self.fixed += total * full
+        return len(groups)
 
     def describe(self) -> str:
         pad = 1 - self.real / self.computed if self.computed else 0.0
         fixed = 1 - self.real / self.fixed if self.fixed else 0.0
         return (f"dynamic-shape: padding {pad:.1%} of computed tokens (fixed-shape: {fixed:.1%}); "
                 f"{self.computed:,} tokens computed instead of {self.fixed:,}")
+
+
+def _equalize(groups: List) -> List:
+    """The same number of micro batches on every worker: split the largest group until all have the maximum."""
+    count = torch.tensor([len(groups)], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            count = count.cuda()
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    groups = list(groups)
+    while len(groups) < int(count.item()):
+        big = max(range(len(groups)), key=lambda i: len(groups[i]))
+        if len(groups[big]) < 2:
+            break  # nothing left to split: every worker then still draws its own count (cannot happen with
+            # equal micro batch sizes, since the maximum count is at most the step's samples)
+        g = groups.pop(big)
+        groups[big:big] = [g[: len(g) // 2], g[len(g) // 2:]]
+    return groups
 
 
 def check_not_parallel(cfg) -> None:
@@ -269,30 +297,33 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
     train_iter = _loader(train_ds, cfg, start * cfg.global_batch_size, cycle=False)
     valid_iter = _loader(valid_ds, cfg, 0, cycle=True) if valid_ds is not None and cfg.eval_iters > 0 else None
     dynamic = args.data_iterator == "dynamic-shape"
-    if dynamic:
-        train_iter = DynamicShape(train_iter, accum, cfg.seq_length)
-        valid_iter = DynamicShape(valid_iter, accum, cfg.seq_length) if valid_iter is not None else None
+    if dynamic:  # training only: validation batches stay fixed-shape, so their losses compare across runs
+        # widths rounded to 64 tokens (--pad-to-multiple-of): each new batch shape costs the GPU a slow first
+        # step (measured: ~100 vs ~400 samples/s on BERT-base), so few distinct widths pay
+        train_iter = DynamicShape(train_iter, accum, cfg.micro_batch_size, cfg.seq_length,
+                                  args.pad_to_multiple_of or 64)
     reporter = _Log(args, rank)
     history: List[Dict] = []
-    loss_sum, count, tick, since = torch.zeros((), device=device), 0, time.perf_counter(), 0
+    loss_sum, tick, since = torch.zeros((), device=device), time.perf_counter(), 0
     model.train()
     for iteration in range(start + 1, cfg.train_iters + 1):
-        for micro in range(accum):
-            with no_sync(model, micro == accum - 1):
+        micro_batches = train_iter.next_step() if dynamic else accum
+        weights = train_iter.weights if dynamic else [1.0 / accum] * accum
+        for micro in range(micro_batches):
+            with no_sync(model, micro == micro_batches - 1):
                 with precision.autocast():
                     loss = pretrainer.run_forward_step(train_iter, model)
-                precision.backward(loss / accum)
-            loss_sum += loss.detach().float()
-            count += 1
+                precision.backward(loss * weights[micro])
+            loss_sum += loss.detach().float() * weights[micro]
         grad_norm, skipped = precision.step(optimizer, model, cfg.clip_grad)
         optimizer.zero_grad(set_to_none=True)
         lr = optimizer.param_groups[0]["lr"]
         if not skipped:
             scheduler.step()
         since += 1
-        record = {"iteration": iteration, "loss": _mean(loss_sum / count), "lr": lr,
+        record = {"iteration": iteration, "loss": _mean(loss_sum), "lr": lr,
                   "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "skipped": bool(skipped)}
-        loss_sum, count = torch.zeros((), device=device), 0
+        loss_sum = torch.zeros((), device=device)
         history.append(record)
         if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters:
             elapsed = time.perf_counter() - tick
@@ -300,7 +331,13 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
                      f"{record['grad_norm']:.3f} | {since * cfg.global_batch_size / elapsed:.1f} samples/s"
                      + (" | step skipped (inf/nan gradients)" if skipped else "")
                      + (f" | {train_iter.describe()}" if dynamic and iteration == cfg.train_iters else ""))
-            reporter.write({**record, "samples_per_s": since * cfg.global_batch_size / elapsed})
+            extra = {"samples_per_s": since * cfg.global_batch_size / elapsed}
+            if torch.cuda.is_available():
+                extra["max_memory_bytes"] = torch.cuda.max_memory_allocated()
+            if dynamic:
+                extra.update(real_tokens=train_iter.real, computed_tokens=train_iter.computed,
+                             fixed_tokens=train_iter.fixed)
+            reporter.write({**record, **extra})
             tick, since = time.perf_counter(), 0
         if valid_iter is not None and cfg.eval_interval and iteration % cfg.eval_interval == 0:
             _validate(pretrainer, model, precision, valid_iter, cfg, iteration, reporter, history)

@@ -67,16 +67,29 @@ def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Confi
     return cfg
 
 
-def set_current_config(cfg: Optional[Config]) -> None:
-    global _CONFIG
-    _CONFIG = cfg
+_WORLD = 1
+
+
+def set_current_config(cfg: Optional[Config], world_size: int = 1) -> None:
+    """Start (cfg = the flags without accelerations, process groups up) or end (None) a PreTrainer run."""
+    global _CONFIG, _BASE, _WORLD
+    _CONFIG, _BASE, _WORLD = None, cfg, world_size
+
+
+_BASE: Optional[Config] = None
 
 
 def current_config() -> Config:
-    """The engine Config of the PreTrainer run under way (for GPTModel())."""
-    if _CONFIG is None:
+    """The engine Config of the PreTrainer run under way, with every switch (ZeRO, precision, recompute): what
+    GPTModel() builds from. Built and validated on first use, so a Hugging Face run never needs it."""
+    global _CONFIG
+    if _BASE is None:
         raise RuntimeError("GPTModel() builds this rank's stage of the PreTrainer run's model: call it inside "
                            "model_optimizer_lr_scheduler_provider(), once PreTrainer.train() has started")
+    if _CONFIG is None:
+        from .globals import get_args
+
+        _CONFIG = engine_config(get_args()).validate(_WORLD)
     return _CONFIG
 
 

@@ -61,7 +61,7 @@ class PreTrainer:
                               "the flag (--reset-position-ids still restarts positions at each document)")
         base = pretrain_megatron.engine_config(args, accelerations=False)
         initialize(base)  # process groups, then seeds: the engine's order, so the hooks draw the same numbers
-        pretrain_megatron.set_current_config(base)
+        pretrain_megatron.set_current_config(base, base.world_size)
         if args.save is None:
             log.info("--save not given: no checkpoints are written")
         counts = sample_counts(base)
@@ -74,9 +74,7 @@ class PreTrainer:
                              f"{args.split} and --data-path {args.data_path}")
         model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
         if pretrain_megatron.is_megatron_model(model):
-            cfg = pretrain_megatron.engine_config(args)
-            cfg.validate(base.world_size)
-            pretrain_megatron.set_current_config(cfg)
+            cfg = pretrain_megatron.current_config()  # what GPTModel() built from
             if optimizer is not None or scheduler is not None:
                 log.warning("a Megatron model trains with the engine's optimizer and schedule (from --optimizers, "
                             "--lr, --lr-decay-style ...): the optimizer/scheduler from "

@@ -272,7 +272,8 @@ class Trainer:
                 f"TP {cfg.tensor_model_parallel_size} PP {cfg.pipeline_model_parallel_size} DP {cfg.data_parallel_size}"
                 f"{' VPP ' + str(vpp) if vpp else ''} | {cfg.params_dtype_name} | ZeRO-{zero} | "
                 f"micro batch {cfg.micro_batch_size} x {cfg.num_microbatches} accumulation x DP {cfg.data_parallel_size} = "
-                f"global batch {cfg.global_batch_size} | optimizer: {self.optimizer_name}")
+                f"global batch {cfg.global_batch_size} | optimizer: {self.optimizer_name} | "
+                f"recompute {self.model[0].config.recompute_granularity or 'off'}")  # the built model's own setting
 
     def train(self) -> List[Dict[str, float]]:
         cfg, state = self.cfg, self.state
