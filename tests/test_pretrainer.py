@@ -322,3 +322,25 @@ def test_dynamic_shape_keeps_each_steps_samples_and_their_losses_with_less_paddi
         keys = [{tuple(r[m.bool()].tolist()) for bb in batches for r, m in zip(bb["input_ids"], bb["attention_mask"])}
                 for batches in (fixed[3 * k:3 * k + 3], steps[k])]
         assert keys[0] == keys[1]
+
+
+@pytest.mark.slow
+def test_megatron_gpt_sample_resumes_exactly(corpora, tmp_path):
+    """The Megatron sample through the engine's checkpoints: 6 iterations saved at 3; resumed from iteration 3 it
+    gives iterations 4-6 exactly (dropout 0.1 on)."""
+    flags = ["--user-script", GPT_SAMPLE, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+             "--micro-batch-size", "2", "--global-batch-size", "4", "--seq-length", "32", "--tokenizer-type",
+             "GPT2BPETokenizer", "--vocab-file", corpora["gpt_vocab"], "--merge-file", corpora["gpt_merges"],
+             "--data-path", corpora["gpt"], "--split", "980,20", "--lr", "1e-3", "--train-iters", "6",
+             "--log-interval", "1", "--eval-interval", "100", "--seed", "7"]
+    save = str(tmp_path / "ck")
+    proc = rapidformer(*flags, "--save", save, "--save-interval", "3", "--metrics-file", str(tmp_path / "a.jsonl"))
+    assert proc.returncode == 0, explain(proc)
+    with open(os.path.join(save, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("3")
+    proc = rapidformer(*flags, "--load", save, "--metrics-file", str(tmp_path / "b.jsonl"))
+    assert proc.returncode == 0, explain(proc)
+    whole, resumed = _train(_lines(tmp_path / "a.jsonl")), _train(_lines(tmp_path / "b.jsonl"))
+    assert [x["iteration"] for x in resumed] == [4, 5, 6]
+    for a, b in zip(whole[3:], resumed):
+        assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], (a, b)
