@@ -344,3 +344,61 @@ def test_megatron_gpt_sample_resumes_exactly(corpora, tmp_path):
     assert [x["iteration"] for x in resumed] == [4, 5, 6]
     for a, b in zip(whole[3:], resumed):
         assert a["loss"] == b["loss"] and a["grad_norm"] == b["grad_norm"], (a, b)
+
+
+NSP_SCRIPT = '''
+import torch
+from rapidformer import PreTrainer, RapidformerEngine, build_train_valid_test_datasets_for_huggingface, get_args, mpu
+from transformers import BertForPreTraining
+
+
+class NSPOnly(PreTrainer):
+    """A loss that is a mean over samples (next-sentence prediction only), so a step's loss does not depend on
+    how the step's samples are grouped into micro batches."""
+
+    def train_valid_test_datasets_provider(self, n):
+        a = get_args()
+        return build_train_valid_test_datasets_for_huggingface(a.data_path, a.data_impl, a.split, n, a.seq_length,
+                                                              a.mask_prob, a.short_seq_prob, a.seed, True, True)
+
+    def model_optimizer_lr_scheduler_provider(self):
+        return BertForPreTraining.from_pretrained(get_args().pretrained_model_name_or_path), None, None
+
+    def run_forward_step(self, data_iterator, model):
+        keys = ["input_ids", "attention_mask", "token_type_ids", "next_sentence_label"]
+        b = mpu.broadcast_data(keys, next(data_iterator) if data_iterator is not None else None, torch.int64)
+        out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], token_type_ids=b["token_type_ids"])
+        return torch.nn.functional.cross_entropy(out.seq_relationship_logits.float(), b["next_sentence_label"])
+
+
+if __name__ == "__main__":
+    NSPOnly(RapidformerEngine()).train()
+'''
+
+
+def test_dynamic_shape_weighs_micro_batches_by_their_samples(corpora, tmp_path):
+    """With a per-sample-mean loss and dropout off, dynamic-shape's steps (micro batches of unequal sizes, each
+    weighted by its share of the step's samples) give fixed-shape's losses and gradient norms."""
+    from transformers import BertConfig, BertForPreTraining
+
+    torch.manual_seed(0)
+    model_dir = str(tmp_path / "bert")
+    BertForPreTraining(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=128, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)).save_pretrained(model_dir)
+    script = tmp_path / "nsp.py"
+    script.write_text(NSP_SCRIPT)
+    runs = {}
+    for it in ("fixed-shape", "dynamic-shape"):
+        metrics = str(tmp_path / f"{it}.jsonl")
+        proc = rapidformer("--user-script", str(script), "--pretrained-model-name-or-path", model_dir,
+                           "--micro-batch-size", "4", "--global-batch-size", "12", "--seq-length", "128",
+                           "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", corpora["wp_vocab"],
+                           "--data-path", corpora["bert"], "--split", "980,20", "--train-iters", "3", "--lr", "1e-3",
+                           "--log-interval", "1", "--eval-interval", "100", "--seed", "5", "--data-iterator", it,
+                           "--metrics-file", metrics)
+        assert proc.returncode == 0, explain(proc)
+        runs[it] = _train(_lines(metrics))
+    assert "computed_tokens" in runs["dynamic-shape"][-1]
+    for f, d in zip(runs["fixed-shape"], runs["dynamic-shape"]):
+        assert abs(f["loss"] - d["loss"]) < 1e-5 and abs(f["grad_norm"] - d["grad_norm"]) < 1e-4, (f, d)
