@@ -64,7 +64,9 @@ def test_megatron_gpt_sample_equals_the_engine_at_tp2_pp2_zero2_recompute(corpor
              ".01", "--train-iters", "4", "--log-interval", "1", "--eval-interval", "2", "--eval-iters", "1",
              "--seed", "11", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
              "--zero-2-memory-optimization", "--checkpoint-activations"]
-    engine, _ = run_engine(tmp_path / "engine", 4, *flags, base=[])
+    engine, engine_proc = run_engine(tmp_path / "engine", 4, *flags, base=[])
+    # the engine reads on tensor-parallel rank 0 of the first and last stages: 2 of the 4 ranks, 4 micro batches each
+    assert "data: 2 of 4 ranks read batches" in engine_proc.stdout and "8 micro batches read" in engine_proc.stdout
     metrics = str(tmp_path / "rf.jsonl")
     proc = rapidformer("--user-script", GPT_SAMPLE, *flags, "--nproc-per-node", "4", "--metrics-file", metrics)
     assert proc.returncode == 0, explain(proc)

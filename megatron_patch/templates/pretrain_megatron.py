@@ -157,15 +157,10 @@ def megatron_forward_step(run_forward_step):
     return forward_step
 
 
-def data_iterator_on_reader(build):
-    """Only tensor-parallel rank 0 reads batches (the samples' broadcast_data sends them on); the others get None."""
-    from megatron.core import parallel_state as mpu
-
-    return build() if mpu.get_tensor_model_parallel_rank() == 0 else None
-
-
 def run(pretrainer, cfg: Config, datasets, model) -> List[dict]:
     """Train a Megatron model with the engine: `datasets` and `model` come from the user's hooks."""
+    from megatron.core import parallel_state as mpu
+
     from megatron_patch.training.data import build_iterator
     from megatron_patch.training.loop import Trainer
 
@@ -185,10 +180,12 @@ def run(pretrainer, cfg: Config, datasets, model) -> List[dict]:
         def _forward_step_func(self):
             return forward
 
+        def _reads_data(self, chunk) -> bool:
+            # the user's run_forward_step reads on every stage; its broadcast_data serves the other TP ranks
+            return mpu.get_tensor_model_parallel_rank() == 0
+
         def _iterator(self, dataset, consumed: int, cycle: bool):
-            if dataset is None:
-                return None
-            return data_iterator_on_reader(lambda: build_iterator(dataset, self.cfg, consumed, cycle))
+            return build_iterator(dataset, self.cfg, consumed, cycle) if dataset is not None else None
 
     trainer = TemplateTrainer(cfg)
     pretrainer.trainer = trainer

@@ -133,14 +133,34 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
+def stage_flags(chunk: torch.nn.Module) -> tuple:
+    """(pre_process, post_process) of a model chunk, through its wrappers (DDP, Float16Module, FSDP)."""
+    inner = chunk
+    while not hasattr(inner, "pre_process") and isinstance(getattr(inner, "module", None), torch.nn.Module):
+        inner = inner.module
+    return bool(getattr(inner, "pre_process", True)), bool(getattr(inner, "post_process", True))
+
+
+BATCH_KEYS = ["tokens", "labels", "loss_mask", "position_ids"]
+
+
 def forward_step(data_iterator, model, seq_length: int):
-    """One micro batch through one model chunk; returns the output and the loss function."""
-    batch = next(data_iterator)
-    dev = _device()
-    tokens = batch["tokens"].to(dev, non_blocking=True)
-    labels = batch["labels"].to(dev, non_blocking=True)
-    loss_mask = batch["loss_mask"].to(dev, non_blocking=True).float()
-    position_ids = batch["position_ids"].to(dev, non_blocking=True)
+    """One micro batch through one model chunk; returns the output and the loss function.
+
+    Only chunks that embed tokens (first stage) or compute the loss (last stage) need the batch, and of a
+    tensor-parallel group only rank 0 reads it: `broadcast_data` sends it to the others (Megatron-LM's way).
+    Stages in between take their input from the previous stage."""
+    from megatron_patch.parallel.broadcast import broadcast_data
+
+    pre, post = stage_flags(model)
+    if not (pre or post):
+        return model(None, None, None), _no_loss
+    batch = next(data_iterator) if data_iterator is not None else None
+    if batch is not None:  # one int64 buffer: loss_mask is 0/1
+        batch = {k: batch[k].long() if k == "loss_mask" else batch[k] for k in BATCH_KEYS}
+    batch = broadcast_data(BATCH_KEYS, batch, torch.int64)
+    tokens, labels, position_ids = batch["tokens"], batch["labels"], batch["position_ids"]
+    loss_mask = batch["loss_mask"].float()
     output = model(tokens, position_ids, None, labels=labels)
 
     def loss_func(output_tensor):
@@ -150,6 +170,10 @@ def forward_step(data_iterator, model, seq_length: int):
         return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
 
     return output, loss_func
+
+
+def _no_loss(output_tensor):
+    raise RuntimeError("internal: a loss function was called on a pipeline stage that is not the last")
 
 
 def _mean_loss(losses: List[Dict[str, torch.Tensor]]) -> float:
@@ -173,6 +197,21 @@ def count_parameters(model) -> int:
     t = torch.tensor([local], dtype=torch.float64, device=_device())
     dist.all_reduce(t, group=mpu.get_model_parallel_group())
     return int(t.item())
+
+
+class CountingIterator:
+    """An iterator that counts what is drawn from it (the data reads the log reports)."""
+
+    def __init__(self, it) -> None:
+        self.it, self.count = it, 0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        item = next(self.it)
+        self.count += 1
+        return item
 
 
 class Trainer:
@@ -220,11 +259,27 @@ class Trainer:
     def iteration(self) -> int:
         return self.state.iteration
 
+    def _reads_data(self, chunk: torch.nn.Module) -> bool:
+        """Tensor-parallel rank 0 of the stages that need batches (first: tokens; last: labels) reads them."""
+        return mpu.get_tensor_model_parallel_rank() == 0 and any(stage_flags(chunk))
+
     def _iterators(self, dataset, consumed: int, cycle: bool):
-        """One iterator per model chunk (virtual pipeline stages each read the micro batches)."""
-        n = len(self.model)
-        return [self._iterator(dataset, consumed, cycle) for _ in range(n)] if n > 1 else \
-            self._iterator(dataset, consumed, cycle)
+        """One iterator per model chunk (virtual pipeline stages each read the micro batches); None where the
+        chunk's rank does not read (it receives the batch, or needs none)."""
+        its = [self._iterator(dataset, consumed, cycle) if self._reads_data(c) else None for c in self.model]
+        its = [CountingIterator(i) if i is not None else None for i in its]
+        return its if len(its) > 1 else its[0]
+
+    def _report_reads(self, iterator) -> None:
+        """One line after the first step: how many ranks read batches, and how many batches were read."""
+        its = iterator if isinstance(iterator, list) else [iterator]
+        t = torch.tensor([float(any(i is not None and i.count for i in its)),
+                          float(sum(i.count for i in its if i is not None))], device=_device())
+        dist.all_reduce(t)
+        print_rank_0(f"data: {int(t[0])} of {dist.get_world_size()} ranks read batches (tensor-parallel rank 0 of the "
+                     f"first and last pipeline stages; the others receive them or need none): {int(t[1])} micro "
+                     f"batches read in the first iteration")
+        self.reads_first_iteration = (int(t[0]), int(t[1]))
 
     def _run_batches(self, iterator, forward_only: bool):
         cfg = self.cfg
@@ -296,6 +351,7 @@ class Trainer:
                 metrics["max_memory_bytes"] = torch.cuda.max_memory_allocated()
             if state.iteration == start + 1:
                 self._report_memory(metrics)
+                self._report_reads(train_iter)
             self.history.append(metrics)
             reporter.step(metrics)
             self._check_finite(metrics["loss"])
