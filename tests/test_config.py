@@ -27,7 +27,7 @@ def cfg(*extra):
         (["--zero-2-memory-optimization", "--pipeline-model-parallel-size", "2", "--global-batch-size", "4",
           "--num-layers-per-virtual-pipeline-stage", "1"], 2, "not supported with virtual pipeline stages"),
         (["--zero-2-memory-optimization", "--fp16"], 2, "fp16 loss scaling is not supported"),
-        (["--sequence-parallel"], 1, "--sequence-parallel needs GPUs"),
+        (["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
         (["--fp16", "--bf16"], 1, "mutually exclusive"),
         (["--mixed-precision", "--bf16"], 1, "--mixed-precision means fp16"),
         (["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], 6, "world size 6 is not divisible"),
@@ -73,8 +73,8 @@ def test_gpu_host_accepts_gpu_only_switches(gpu_host):
 
 def test_gpu_probe_is_the_one_validate_consults(no_gpu):
     # The same flags as above, on a machine without a GPU: refused because of the machine.
-    with pytest.raises(ConfigError, match="--sequence-parallel needs GPUs"):
-        cfg("--sequence-parallel", "--tensor-model-parallel-size", "2").validate(2)
+    # --sequence-parallel runs on the CPU backend (its backward allocations are redirected too).
+    assert cfg("--sequence-parallel", "--tensor-model-parallel-size", "2").validate(2).sequence_parallel
     with pytest.raises(ConfigError, match="this machine has no GPU"):
         cfg("--cpu-offload", "--zero-1-memory-optimization").validate(1)
 

@@ -242,3 +242,32 @@ def cuda_device_arguments_to_cpu() -> None:
     if _MODE is None:
         _MODE = _CudaToCpu()
         _MODE.__enter__()
+
+
+@register(upstream=("torch/autograd/function.py:BackwardCFunction.apply",
+                    "megatron/core/tensor_parallel/mappings.py:_AllToAll.forward",
+                    "megatron/core/tensor_parallel/mappings.py:_reduce_scatter_along_first_dim",
+                    "megatron/core/tensor_parallel/mappings.py:_gather_along_first_dim"),
+          fixes="torch's autograd engine runs backward without the torch-function-mode stack, so "
+                "`cuda_device_arguments_to_cpu` does not see the device='cuda' allocations made inside custom "
+                "autograd Functions' backward (megatron-core's all-to-all, reduce-scatter and all-gather buffers: "
+                "MoE expert parallelism, sequence parallelism) and they fail without a CUDA driver: run every "
+                "custom Function's backward under that mode too",
+          fingerprint="071dc17dd5178cea")
+def cuda_device_arguments_to_cpu_in_backward() -> None:
+    """`BackwardCFunction.apply` (what the autograd engine calls for a custom Function's backward) -> the same,
+    inside the process-wide `_CudaToCpu` mode when the mode stack is empty (it always is in backward). Serves
+    tensor_parallel/mappings.py: _AllToAll.backward (the MoE alltoall dispatcher, expert parallelism) and the
+    backward of gather_from_sequence_parallel_region / reduce_scatter_to_sequence_parallel_region (the MoE
+    allgather dispatcher over TP x EP, sequence parallelism). Needs `cuda_device_arguments_to_cpu` first."""
+    from torch.autograd.function import BackwardCFunction
+
+    upstream_apply = original(BackwardCFunction, "apply")
+
+    def apply(self, *args):
+        if _MODE is not None and torch._C._len_torch_function_stack() == 0:
+            with _MODE:
+                return upstream_apply(self, *args)
+        return upstream_apply(self, *args)
+
+    replace(BackwardCFunction, "apply", apply)

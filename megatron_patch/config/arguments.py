@@ -45,6 +45,18 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("swiglu", "openai-gelu", "untie-embeddings-and-output-weights", "disable-bias-linear", "add-qkv-bias"):
         g.add_argument(f"--{name}", action="store_true")
 
+    g = p.add_argument_group("mixture of experts (megatron-core MoELayer)")
+    g.add_argument("--num-experts", type=int, help="experts per MoE layer (default: a dense MLP)")
+    for name, typ in [("moe-router-topk", int), ("moe-ffn-hidden-size", int), ("moe-layer-freq", int),
+                      ("moe-aux-loss-coeff", float), ("moe-z-loss-coeff", float), ("moe-expert-capacity-factor", float),
+                      ("expert-model-parallel-size", int), ("expert-tensor-parallel-size", int)]:
+        g.add_argument(f"--{name}", type=typ, help=f"(default {getattr(_D, name.replace('-', '_'))})")
+    g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
+    g.add_argument("--moe-token-dispatcher-type", choices=["alltoall", "allgather"])
+    g.add_argument("--moe-token-drop-policy", choices=["probs", "position"])
+    for name in ("moe-router-pre-softmax", "moe-pad-expert-input-to-capacity", "moe-per-layer-logging"):
+        g.add_argument(f"--{name}", action="store_true")
+
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", help="prefix, or 'weight prefix weight prefix ...' to blend")
     g.add_argument("--mock-data", action="store_true", help="random tokens (tests and benchmarks)")

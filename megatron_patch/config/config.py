@@ -43,6 +43,20 @@ class Config:
     padded_vocab_size: Optional[int] = None
     attention_backend: str = "auto"  # auto (te if importable, else sdpa) | sdpa | local | te
     init_layout_invariant: bool = False
+    # ---- mixture of experts (megatron-core MoELayer; None = dense MLP)
+    num_experts: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_ffn_hidden_size: Optional[int] = None  # default --ffn-hidden-size
+    moe_layer_freq: int = 1  # an MoE layer every N layers (1: all)
+    moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | sinkhorn | none
+    moe_aux_loss_coeff: float = 0.0
+    moe_z_loss_coeff: Optional[float] = None
+    moe_router_pre_softmax: bool = False
+    moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
+    moe_expert_capacity_factor: Optional[float] = None
+    moe_pad_expert_input_to_capacity: bool = False
+    moe_token_drop_policy: str = "probs"  # probs | position
+    moe_per_layer_logging: bool = False
 
     # ---- data
     data_path: List[str] = field(default_factory=list)
@@ -95,6 +109,8 @@ class Config:
     # ---- parallelism and switches
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None  # default --tensor-model-parallel-size
     num_layers_per_virtual_pipeline_stage: Optional[int] = None
     sequence_parallel: bool = False
     zero_1_memory_optimization: bool = False
@@ -117,6 +133,7 @@ class Config:
     # ---- derived by validate()
     world_size: int = 1
     data_parallel_size: int = 1
+    expert_data_parallel_size: int = 1
     num_microbatches: int = 1
 
     @property

@@ -37,6 +37,56 @@ def check_load_dir(path: str) -> None:
               f"(to start from scratch, create an empty directory or drop --load)")
 
 
+def validate_moe(c: Config, world_size: int, tp: int, pp: int) -> int:
+    """Mixture-of-experts settings; returns the expert data-parallel size (world / (ETP x EP x PP))."""
+    ep, etp = c.expert_model_parallel_size, c.expert_tensor_parallel_size
+    if not c.num_experts:
+        if c.num_experts is not None:
+            _fail(f"--num-experts {c.num_experts}: give at least 1 expert, or drop the flag for a dense MLP")
+        if ep != 1 or etp not in (None, tp):
+            _fail("--expert-model-parallel-size / --expert-tensor-parallel-size need --num-experts")
+        return world_size // (tp * pp)
+    etp = etp or tp
+    n = c.num_experts
+    if ep < 1 or etp < 1:
+        _fail("--expert-model-parallel-size and --expert-tensor-parallel-size must be at least 1")
+    if n % ep:
+        _fail(f"--num-experts {n} is not divisible by --expert-model-parallel-size {ep}: every EP rank holds "
+              f"the same number of experts")
+    if world_size % (etp * ep * pp):
+        _fail(f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+              f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp}: the expert "
+              f"layers are laid out as ETP x EP x expert-DP x PP over the same processes")
+    ffn = c.moe_ffn_hidden_size or c.ffn_hidden_size or 4 * c.hidden_size
+    if ffn % etp:
+        _fail(f"the experts' hidden size {ffn} (--moe-ffn-hidden-size) is not divisible by "
+              f"--expert-tensor-parallel-size {etp}")
+    if not 1 <= c.moe_router_topk <= n:
+        _fail(f"--moe-router-topk {c.moe_router_topk} must be between 1 and --num-experts {n}")
+    if c.moe_router_topk == 1 and not c.moe_router_pre_softmax and c.moe_router_load_balancing_type != "sinkhorn":
+        _fail("--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over one selected expert has no gradient)")
+    if c.moe_layer_freq < 1:
+        _fail(f"--moe-layer-freq {c.moe_layer_freq}: 1 puts experts in every layer, N in every N-th")
+    if not c.disable_bias_linear:
+        _fail("--num-experts needs --disable-bias-linear: megatron-core's experts support biases only with "
+              "--expert-tensor-parallel-size 1, and its local-spec experts fail with them at "
+              "--expert-model-parallel-size 1 (an in-place bias add on the row-parallel output's view)")
+    if tp > 1 and not c.sequence_parallel:
+        _fail("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core's MoE "
+              "layer refuses to train tensor parallel without it)")
+    if c.moe_pad_expert_input_to_capacity and c.moe_expert_capacity_factor is None:
+        _fail("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor")
+    if c.moe_expert_capacity_factor is not None and c.moe_router_load_balancing_type == "sinkhorn":
+        _fail("--moe-expert-capacity-factor works with the aux-loss load balancing types or none, not sinkhorn")
+    if c.zero_2_memory_optimization and ep > 1:
+        _fail("--zero-2-memory-optimization (Megatron-FSDP) with --expert-model-parallel-size > 1 is not supported; "
+              "use --zero-1-memory-optimization (megatron-core's distributed optimizer shards expert state over "
+              "expert-DP)")
+    if c.load_hf:
+        _fail("--load-hf loads dense models only; Mixture-of-Experts checkpoints cannot be converted yet")
+    return world_size // (etp * ep * pp)
+
+
 def validate(c: Config, world_size: int) -> None:
     tp, pp = c.tensor_model_parallel_size, c.pipeline_model_parallel_size
     if world_size < 1:
@@ -75,6 +125,7 @@ def validate(c: Config, world_size: int) -> None:
         if c.num_layers // (pp * v) < 2:
             _fail(f"--num-layers-per-virtual-pipeline-stage {v} gives one virtual stage per rank; lower it "
                   f"so that --num-layers / (PP x it) >= 2, or drop it for plain 1F1B")
+    c.expert_data_parallel_size = validate_moe(c, world_size, tp, pp)
     if c.global_batch_size is None:
         c.global_batch_size = c.micro_batch_size * dp
     if c.micro_batch_size < 1 or c.global_batch_size % (c.micro_batch_size * dp):
@@ -99,9 +150,6 @@ def validate(c: Config, world_size: int) -> None:
               "drop --num-layers-per-virtual-pipeline-stage or use --zero-1-memory-optimization")
     if c.zero_2_memory_optimization and c.fp16:
         _fail("--zero-2-memory-optimization runs bf16 or fp32; fp16 loss scaling is not supported there: use --bf16")
-    if c.sequence_parallel and not _has_gpu():
-        _fail("--sequence-parallel needs GPUs: megatron-core allocates its reduce-scatter buffers on the CUDA "
-              "device inside autograd, which the CPU backend cannot redirect; drop the flag on CPU")
     if c.sequence_parallel and tp < 2:
         _fail("--sequence-parallel needs --tensor-model-parallel-size > 1 (it splits activations across TP ranks)")
     if c.mixed_precision:

@@ -12,6 +12,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_patch.config import Config
@@ -95,16 +96,51 @@ def build_transformer_config(cfg: Config) -> TransformerConfig:
         # --load-hf overwrites every parameter (its coverage check proves it): a random init first would only
         # cost time and, on the CPU, a transient fp32 copy of each weight (0.5 GiB for a 32k x 2048 output layer).
         perform_initialization=not cfg.load_hf,
+        **moe_config(cfg),
     )
 
 
-def layer_spec(cfg: Config) -> ModuleSpec:
+def moe_config(cfg: Config) -> dict:
+    """TransformerConfig fields of megatron-core's MoELayer (none for a dense model)."""
+    if not cfg.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=cfg.num_experts,
+        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        moe_layer_freq=cfg.moe_layer_freq,
+        moe_router_topk=cfg.moe_router_topk,
+        moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+        moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
+        moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
+        moe_z_loss_coeff=cfg.moe_z_loss_coeff,
+        moe_token_dispatcher_type=cfg.moe_token_dispatcher_type,
+        moe_expert_capacity_factor=cfg.moe_expert_capacity_factor,
+        moe_pad_expert_input_to_capacity=cfg.moe_pad_expert_input_to_capacity,
+        moe_token_drop_policy=cfg.moe_token_drop_policy,
+        moe_per_layer_logging=cfg.moe_per_layer_logging,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size,
+        # Transformer Engine's fused permute/unpermute, router top-k and aux-loss kernels (CUDA only), and its
+        # grouped GEMM: off; the local spec runs the experts as a SequentialMLP of Column/RowParallelLinear.
+        moe_grouped_gemm=False,
+        moe_permute_fusion=False,
+        moe_router_fusion=False,
+    )
+
+
+def is_moe_layer(cfg: Config, layer: int) -> bool:
+    """Whether global layer `layer` (from 0) has an MoELayer (megatron-core's moe_layer_freq rule)."""
+    return bool(cfg.num_experts) and layer % cfg.moe_layer_freq == 0
+
+
+def layer_spec(cfg: Config, moe: bool = False) -> ModuleSpec:
     backend = resolve_attention_backend(cfg)
+    num_experts = cfg.num_experts if moe else None
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization=cfg.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization=cfg.normalization)
     if backend == "sdpa":
         spec.submodules.self_attention.submodules.core_attention = SDPAttention
     spec.submodules.input_layernorm = SequenceParallelNorm
@@ -138,7 +174,17 @@ def build_gpt_model(cfg: Config, vocab_size: int, pre_process: bool = True, post
     """One pipeline stage (or virtual stage `vp_stage`) of the model, on this rank's device."""
     config = build_transformer_config(cfg)
     spec = layer_spec(cfg)
-    if resolve_attention_backend(cfg) != "te":  # our norms for the final layer norm too
+    if cfg.num_experts and resolve_attention_backend(cfg) == "te":
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+        spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization=cfg.normalization,
+                                          vp_stage=vp_stage)
+    elif cfg.num_experts:  # MoE and dense layers by --moe-layer-freq: one spec per layer of this stage
+        first = get_transformer_layer_offset(config, vp_stage=vp_stage)
+        specs = [layer_spec(cfg, moe=is_moe_layer(cfg, first + i))
+                 for i in range(get_num_layers_to_build(config, vp_stage=vp_stage))]
+        spec = TransformerBlockSubmodules(layer_specs=specs, layer_norm=SequenceParallelNorm)
+    elif resolve_attention_backend(cfg) != "te":  # our norms for the final layer norm too
         spec = TransformerBlockSubmodules(layer_specs=[spec] * get_num_layers_to_build(config, vp_stage=vp_stage),
                                           layer_norm=SequenceParallelNorm)
     model = GPTModelWithVocab(

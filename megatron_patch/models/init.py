@@ -20,7 +20,7 @@ def layout_invariant_init(module, seed: int, std: float, gated_linear_unit: bool
     """Re-initialize `module` (one unwrapped model chunk) in place."""
     for name, p in module.named_parameters():
         gname = global_name(name, module)
-        shape = global_shape(p)
+        shape = global_shape(p, gname)
         g = _generator(gname, seed)
         if gname.endswith(("layer_norm_weight", "norm.weight")):
             full = torch.ones(shape)

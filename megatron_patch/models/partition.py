@@ -13,21 +13,38 @@ from megatron.core import parallel_state as mpu
 
 
 def global_name(name: str, module) -> str:
-    """`name` in `module` (an unwrapped GPTModel chunk) as the TP1/PP1 model would call it: global layer
-    number, and a tied output layer named after the embedding it copies."""
+    """`name` in `module` (an unwrapped GPTModel chunk) as the TP1/PP1/EP1 model would call it: global layer
+    number, global expert number (an EP rank holds experts [rank * local, (rank + 1) * local) of each MoE
+    layer as local_experts.0, 1, ...), and a tied output layer named after the embedding it copies."""
     m = re.search(r"decoder\.layers\.(\d+)\.", name)
     if m:
         layer = module.decoder.layers[int(m.group(1))]
+        e = re.search(r"\.mlp\.experts\.local_experts\.(\d+)\.", name)
+        if e:
+            expert = layer.mlp.local_expert_indices[int(e.group(1))]
+            name = name.replace(e.group(0), f".mlp.experts.local_experts.{expert}.")
         name = name.replace(m.group(0), f"decoder.layers.{layer.layer_number - 1}.")
     if name == "output_layer.weight" and getattr(module, "share_embeddings_and_output_weights", False):
         name = "embedding.word_embeddings.weight"
     return name
 
 
-def global_shape(param: torch.Tensor) -> list:
+def is_expert_param(name: str) -> bool:
+    """A routed expert's weight (sharded over the expert-tensor-parallel group, not the TP group)."""
+    return ".mlp.experts." in name
+
+
+def _tp(name: str):
+    """(size, rank) of the tensor-parallel group that slices parameter `name`: ETP for routed experts."""
+    if is_expert_param(name):
+        return mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank()
+    return mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+
+
+def global_shape(param: torch.Tensor, name: str = "") -> list:
     shape = list(param.shape)
     if getattr(param, "tensor_model_parallel", False):
-        shape[param.partition_dim] *= mpu.get_tensor_model_parallel_world_size()
+        shape[param.partition_dim] *= _tp(name)[0]
     return shape
 
 
@@ -37,7 +54,7 @@ def local_shard(full: torch.Tensor, param: torch.Tensor, name: str, gated_linear
     Column-parallel weights are cut along rows, row-parallel along columns; megatron-core's QKV rows are
     ordered by query group, so a contiguous cut gives each rank whole groups. SwiGLU's fc1 is [gate; up]
     globally but [gate_r; up_r] on rank r."""
-    tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    tp, rank = _tp(name)
     if not getattr(param, "tensor_model_parallel", False) or tp == 1:
         return full
     dim = param.partition_dim

@@ -49,6 +49,8 @@ def initialize(cfg: Config) -> Config:
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
     )
     # Megatron-LM's seeding: a different stream per pipeline stage, and megatron-core's tracker for TP.
     seed = cfg.seed + 100 * mpu.get_pipeline_model_parallel_rank()

@@ -28,6 +28,7 @@ from .checkpoint import Checkpointer, TrainState
 from .data import build_datasets, build_iterator, tokenizer_from_config
 from .evaluation import Validator
 from .memory import model_state_bytes
+from .moe_metrics import MoEMetrics
 from .optimizer import build_optimizer, build_scheduler
 from .reporting import Reporter
 
@@ -187,16 +188,21 @@ def _mean_loss(losses: List[Dict[str, torch.Tensor]]) -> float:
 
 
 def count_parameters(model) -> int:
-    """Parameters of the whole model (all TP/PP ranks), each counted once."""
-    local = 0
+    """Parameters of the whole model (all TP/PP/EP ranks), each counted once."""
+    local, experts = 0, 0
     for chunk in model:
-        for p in chunk.parameters():
+        for name, p in chunk.named_parameters():
             if getattr(p, "shared", False) and not mpu.is_pipeline_first_stage(ignore_virtual=True):
                 continue  # a tied output layer on the last stage repeats the embedding
-            local += p.numel()
+            if ".mlp.experts." in name:  # routed experts: sliced over ETP, spread over EP
+                experts += p.numel()
+            else:
+                local += p.numel()
     t = torch.tensor([local], dtype=torch.float64, device=_device())
     dist.all_reduce(t, group=mpu.get_model_parallel_group())
-    return int(t.item())
+    e = torch.tensor([experts], dtype=torch.float64, device=_device())
+    dist.all_reduce(e, group=mpu.get_expert_tensor_model_pipeline_parallel_group())
+    return int(t.item() + e.item())
 
 
 class CountingIterator:
@@ -235,6 +241,7 @@ class Trainer:
         self.state = (self.checkpointer.load() if cfg.load else None) or TrainState()
         self.validator = Validator(cfg, self.valid_ds, partial(self._iterators, cycle=True), self.evaluate)
         self.num_params = count_parameters(self.model)
+        self.moe_metrics = MoEMetrics(cfg, self.model) if cfg.num_experts else None
         self.fwd_bwd = get_forward_backward_func()
         self.history: List[Dict[str, float]] = []
 
@@ -299,8 +306,11 @@ class Trainer:
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=self.cfg.global_batch_size)
-        return {"loss": _mean_loss(losses), "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                "skipped": float(not ok), "lr": lr, "loss_scale": self._loss_scale()}
+        metrics = {"loss": _mean_loss(losses), "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
+                   "skipped": float(not ok), "lr": lr, "loss_scale": self._loss_scale()}
+        if self.moe_metrics is not None:
+            metrics.update(self.moe_metrics.report(self.cfg.num_microbatches, self.state.iteration + 1))
+        return metrics
 
     def _loss_scale(self) -> float:
         """The loss scale after this step's update (fp16 dynamic scaling lowers it on a skipped step)."""
@@ -316,6 +326,8 @@ class Trainer:
             total += _mean_loss(self._run_batches(iterator, forward_only=True))
         for m in self.model:
             m.train()
+        if self.moe_metrics is not None:
+            self.moe_metrics.clear()
         return total / iters
 
     def _describe(self) -> str:
@@ -325,10 +337,18 @@ class Trainer:
         return (f"model: {cfg.model_family or 'custom'} {self.num_params / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
                 f"hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, seq {cfg.seq_length} | "
                 f"TP {cfg.tensor_model_parallel_size} PP {cfg.pipeline_model_parallel_size} DP {cfg.data_parallel_size}"
-                f"{' VPP ' + str(vpp) if vpp else ''} | {cfg.params_dtype_name} | ZeRO-{zero} | "
+                f"{' VPP ' + str(vpp) if vpp else ''}{self._describe_moe()} | {cfg.params_dtype_name} | ZeRO-{zero} | "
                 f"micro batch {cfg.micro_batch_size} x {cfg.num_microbatches} accumulation x DP {cfg.data_parallel_size} = "
                 f"global batch {cfg.global_batch_size} | optimizer: {self.optimizer_name} | "
                 f"recompute {self.model[0].config.recompute_granularity or 'off'}")  # the built model's own setting
+
+    def _describe_moe(self) -> str:
+        cfg = self.cfg
+        if not cfg.num_experts:
+            return ""
+        return (f" | MoE {cfg.num_experts} experts top-{cfg.moe_router_topk} every {cfg.moe_layer_freq} layer(s), "
+                f"{cfg.moe_token_dispatcher_type} dispatcher, EP {cfg.expert_model_parallel_size} ETP "
+                f"{cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size} expert-DP {cfg.expert_data_parallel_size}")
 
     def train(self) -> List[Dict[str, float]]:
         cfg, state = self.cfg, self.state

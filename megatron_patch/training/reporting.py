@@ -56,6 +56,8 @@ class Reporter:
         line = (f"iteration {it:>6}/{cfg.train_iters} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.3e} | "
                 f"grad norm {metrics['grad_norm']:.3f} | loss scale {metrics['loss_scale']:g} | "
                 f"{1000 * seconds / iters:.0f} ms/iter | tokens/s {tps:,.0f} | TFLOP/s/GPU {per_gpu:.1f}{mfu}{mem}")
+        moe = {k: v for k, v in metrics.items() if k.startswith("moe_") and isinstance(v, float)}
+        line += "".join(f" | {k[4:].replace('_', ' ')} {v:.4f}" for k, v in moe.items())
         if metrics["skipped"]:
             line += " | step skipped (inf/nan grads, loss scale lowered)"
         print_rank_0(line)
@@ -63,6 +65,8 @@ class Reporter:
             for k, v in (("lm loss", metrics["loss"]), ("learning-rate", metrics["lr"]), ("grad-norm", metrics["grad_norm"]),
                          ("loss-scale", metrics["loss_scale"]), ("tokens-per-sec", tps), ("tflops-per-gpu", per_gpu)):
                 self.writer.add_scalar(k, v, it)
+            for k, v in moe.items():
+                self.writer.add_scalar(k.replace("moe_", "moe/", 1), v, it)
 
     def validation(self, iteration: int, loss: float, test_loss: Optional[float] = None) -> None:
         record = {"iteration": iteration, "valid_loss": loss}

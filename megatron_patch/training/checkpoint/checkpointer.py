@@ -32,8 +32,15 @@ class TrainState:
 
 def layout(cfg: Config) -> Dict[str, int]:
     zero = 2 if cfg.zero_2_memory_optimization else 1 if cfg.zero_1_memory_optimization else 0
-    return {"tp": cfg.tensor_model_parallel_size, "pp": cfg.pipeline_model_parallel_size,
-            "dp": cfg.data_parallel_size, "vpp": cfg.virtual_pipeline_model_parallel_size or 1, "zero": zero}
+    out = {"tp": cfg.tensor_model_parallel_size, "pp": cfg.pipeline_model_parallel_size,
+           "dp": cfg.data_parallel_size, "vpp": cfg.virtual_pipeline_model_parallel_size or 1, "zero": zero}
+    if cfg.num_experts:  # expert layout (absent: a dense model, or EP 1 / ETP TP)
+        out.update(ep=cfg.expert_model_parallel_size, etp=cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size)
+    return out
+
+
+def _expert_layout(lay: Dict[str, int]):
+    return lay.get("ep", 1), lay.get("etp", lay["tp"])
 
 
 def _versions() -> Dict[str, str]:
@@ -138,8 +145,14 @@ class Checkpointer:
                                   f"layout (this run: {mine}). Resume with the same TP/PP/DP and ZeRO-2.")
         model_only = "optimizer" not in manifest.get("contents", ["optimizer"])
         same_model_layout = all(saved[k] == mine[k] for k in ("tp", "pp", "vpp"))
+        # Expert weights are global tensors too (any EP/ETP loads them), but megatron-core keeps the experts'
+        # optimizer state apart (a ChainedOptimizer, sharded over expert-DP) once EP > 1 or ETP != TP, so
+        # that state moves with neither.
+        same_expert_layout = _expert_layout(saved) == _expert_layout(mine)
+        same_model_layout = same_model_layout and same_expert_layout
         # The distributed optimizer's shards follow DP size changes only; without ZeRO they follow the model.
-        optimizer_fits = saved["zero"] == mine["zero"] and (same_model_layout or mine["zero"] == 0)
+        optimizer_fits = saved["zero"] == mine["zero"] and same_expert_layout and \
+            (same_model_layout or mine["zero"] == 0)
         load_optimizer = not self.cfg.no_load_optim and optimizer_fits and not model_only
         try:
             safe_loading.check_metadata(path)  # DCP itself would swallow the refusal into "metadata is None"
@@ -163,7 +176,7 @@ class Checkpointer:
                          "start fresh")
         elif not optimizer_fits and not self.cfg.no_load_optim:
             notes.append("the optimizer state does not fit this layout (ZeRO-1 state moves between DP sizes only, "
-                         "and not between ZeRO stages): optimizer and lr schedule start fresh")
+                         "and not between ZeRO stages or expert layouts): optimizer and lr schedule start fresh")
         _print0(f"loaded checkpoint {path} (iteration {iteration})" + ("; " + "; ".join(notes) if notes else ""))
         self.last_saved = iteration if root == self.cfg.save else None
         self.model_info = {**manifest.get("model", {}), **self.model_info}  # keeps e.g. the Hugging Face origin

@@ -1,0 +1,91 @@
+"""megatron-core's Mixture-of-Experts layers (router, token dispatchers, SequentialMLP experts) on the CPU.
+
+With the CPU backend (cpu_backend.py) in place, megatron-core's MoELayer built from the local spec
+(`get_gpt_layer_local_spec(num_experts=..., moe_grouped_gemm=False)`: TopKRouter, SequentialMLP of
+Column/RowParallelLinear, allgather or alltoall dispatcher, with moe_permute_fusion / moe_router_fusion off)
+runs on the CPU except where listed here. Applied with the CPU backend (order `CPU_BACKEND`), on machines
+without a GPU only; a model without experts never reaches the patched code.
+"""
+from __future__ import annotations
+
+import torch
+
+from .registry import original, register, replace
+
+
+@register(upstream=("megatron/core/transformer/moe/moe_utils.py:maybe_move_tensor_to_cpu",
+                    "megatron/core/transformer/moe/token_dispatcher.py:"
+                    "MoEAlltoAllTokenDispatcher._maybe_dtoh_and_synchronize",
+                    "megatron/core/tensor_parallel/mappings.py:_AllToAll.forward"),
+          fixes="the alltoall dispatcher turns its all-to-all split sizes into numpy arrays only when they are CUDA "
+                "tensors (maybe_move_tensor_to_cpu(..., as_numpy=True)); on the CPU they stay torch tensors, which "
+                "torch.distributed.all_to_all_single refuses as split sizes (TypeError from alltoall_base): "
+                "give CPU tensors asked for as numpy the numpy array too",
+          fingerprint="813234976ca9550d")
+def moe_alltoall_splits_as_numpy() -> None:
+    """`maybe_move_tensor_to_cpu(t, as_numpy=True)` for a CPU tensor -> a numpy copy of it (the GPU path's
+    result type). Replaced where MoEAlltoAllTokenDispatcher calls it (token_dispatcher.py imports it by name)
+    and in moe_utils."""
+    import megatron.core.transformer.moe.moe_utils as moe_utils
+    import megatron.core.transformer.moe.token_dispatcher as token_dispatcher
+
+    upstream = original(moe_utils, "maybe_move_tensor_to_cpu")
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.detach().clone().numpy()  # a copy, as the device-to-host transfer makes on a GPU
+        return upstream(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    replace(moe_utils, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+    replace(token_dispatcher, "maybe_move_tensor_to_cpu", maybe_move_tensor_to_cpu)
+
+
+def _uneven(sizes, group) -> bool:
+    return sizes is not None and len(set(int(s) for s in sizes)) > 1 and \
+        torch.distributed.get_backend(group) == "gloo"
+
+
+@register(upstream=("megatron/core/tensor_parallel/mappings.py:_gather_along_first_dim",
+                    "megatron/core/tensor_parallel/mappings.py:_reduce_scatter_along_first_dim"),
+          fixes="the alltoall dispatcher with expert tensor parallelism (ETP > 1) all-gathers / reduce-scatters "
+                "a different number of tokens per ETP rank (output_split_sizes / input_split_sizes) with "
+                "torch.distributed.all_gather / reduce_scatter on lists of uneven tensors, which gloo refuses "
+                "('ProcessGroupGloo::allgather: invalid tensor size'): on gloo, pad every rank's rows to the "
+                "largest count and use the equal-size collectives",
+          fingerprint="68e18bab08360e47")
+def moe_uneven_gather_scatter_on_gloo() -> None:
+    """megatron-core's `_gather_along_first_dim(..., output_split_sizes)` and
+    `_reduce_scatter_along_first_dim(..., input_split_sizes)` with unequal sizes on a gloo group -> padded
+    all_gather_into_tensor / reduce_scatter_tensor, then the padding cut off. Equal sizes, no sizes, or NCCL:
+    upstream's own code. Serves MoEAlltoAllTokenDispatcher.dispatch_postprocess / combine_preprocess (and
+    their backward) when ETP > 1."""
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    upstream_gather = original(mappings, "_gather_along_first_dim")
+    upstream_scatter = original(mappings, "_reduce_scatter_along_first_dim")
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if not _uneven(output_split_sizes, group):
+            return upstream_gather(input_, group, output_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in output_split_sizes]
+        width = max(sizes)
+        padded = input_.new_zeros((width,) + tuple(input_.shape[1:]))
+        padded[: input_.size(0)] = input_
+        out = input_.new_empty((width * len(sizes),) + tuple(input_.shape[1:]))
+        torch.distributed.all_gather_into_tensor(out, padded, group=group)
+        return torch.cat([out[r * width: r * width + n] for r, n in enumerate(sizes)])
+
+    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if not _uneven(input_split_sizes, group):
+            return upstream_scatter(input_, group, input_split_sizes, use_global_buffer)
+        sizes = [int(s) for s in input_split_sizes]
+        width = max(sizes)
+        padded = input_.new_zeros((width * len(sizes),) + tuple(input_.shape[1:]))
+        for r, chunk in enumerate(torch.split(input_, sizes, dim=0)):
+            padded[r * width: r * width + chunk.size(0)] = chunk
+        out = input_.new_empty((width,) + tuple(input_.shape[1:]))
+        torch.distributed.reduce_scatter_tensor(out, padded, group=group)
+        return out[: sizes[group.rank()]].contiguous()
+
+    replace(mappings, "_gather_along_first_dim", _gather_along_first_dim)
+    replace(mappings, "_reduce_scatter_along_first_dim", _reduce_scatter_along_first_dim)

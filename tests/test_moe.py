@@ -1,0 +1,94 @@
+"""Mixture of experts (megatron-core MoELayer, local spec) on the CPU backend: every expert-parallel layout
+trains like the single process (same losses, gradient norms, aux losses, tokens per expert, final weights),
+and the MoE settings megatron-core cannot run are refused in words.
+
+A tiny fp32 GPT with 4 experts, top-2, in both layers, started from the same weights in every layout
+(--init-layout-invariant seeds expert e of layer l by its global name, whichever EP rank holds it).
+"""
+import re
+
+import pytest
+import torch
+
+from engine_utils import full_weights, per_iteration, run_engine, train_losses
+from megatron_patch.config import ConfigError, parse_args
+
+MOE = ["--num-layers", "2", "--lr", "1e-3", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
+       "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"]
+
+LAYOUTS = {  # name -> (processes, flags)
+    "ep2": (2, ["--expert-model-parallel-size", "2"]),
+    "ep2_allgather": (2, ["--expert-model-parallel-size", "2", "--moe-token-dispatcher-type", "allgather"]),
+    # DP 4, expert-DP 2: the distributed optimizer shards dense state over 4 ranks, expert state over 2.
+    "ep2_dp4_zero1": (4, ["--expert-model-parallel-size", "2", "--zero-1-memory-optimization"]),
+    # experts sliced over ETP 2 (the alltoall dispatcher's uneven all-gather over gloo), sequence parallel.
+    "tp2_ep2": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel", "--expert-model-parallel-size", "2"]),
+    "tp2_ep2_etp1_zero1": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                               "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                               "--zero-1-memory-optimization"]),
+    "pp2_ep2": (4, ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]),
+}
+
+
+def _model(weights):
+    return {k: v for k, v in weights.items() if ".optimizer." not in k}  # ChainedOptimizer: chained_N.optimizer.*
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    d = tmp_path_factory.mktemp("moe_ep1")
+    lines, _ = run_engine(d, 1, *MOE, "--save", str(d / "ckpt"))
+    return lines, _model(full_weights(str(d / "ckpt" / "iter_0000005")))
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name, reference, tmp_path):
+    nproc, args = LAYOUTS[name]
+    ref_lines, ref_weights = reference
+    lines, _ = run_engine(tmp_path, nproc, *MOE, *args, "--save", str(tmp_path / "ckpt"))
+    assert train_losses(lines) == pytest.approx(train_losses(ref_lines), rel=1e-5)
+    assert train_losses(lines)[-1] < train_losses(lines)[0]
+    for key in ("grad_norm", "moe_load_balancing_loss", "moe_z_loss"):
+        assert per_iteration(lines, key) == pytest.approx(per_iteration(ref_lines, key), rel=1e-5), key
+    assert per_iteration(lines, "moe_tokens_per_expert") == per_iteration(ref_lines, "moe_tokens_per_expert")
+    weights = _model(full_weights(str(tmp_path / "ckpt" / "iter_0000005")))
+    assert set(weights) == set(ref_weights)
+    for k, w in ref_weights.items():
+        torch.testing.assert_close(weights[k], w, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+def test_metrics_per_iteration(reference):
+    lines, _ = reference
+    tokens = per_iteration(lines, "moe_tokens_per_expert")
+    # 8 sequences x 32 tokens x top-2 routed in each of the 2 MoE layers, every step.
+    assert all(len(step) == 2 and all(sum(layer) == 8 * 32 * 2 for layer in step) for step in tokens)
+    assert all(0.9 < x < 1.2 for x in per_iteration(lines, "moe_load_balancing_loss"))  # 1 = balanced
+    assert all(x >= 1 for x in per_iteration(lines, "moe_max_load"))
+
+
+BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4"]
+
+
+@pytest.mark.parametrize("extra,world,match", [
+    (["--num-experts", "4"], 1, "--num-experts needs --disable-bias-linear"),
+    (["--num-experts", "3", "--expert-model-parallel-size", "2", "--disable-bias-linear"], 2, "not divisible by --expert-model-parallel-size 2"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "4", "--disable-bias-linear"], 2, "world size 2 is not divisible by --expert-tensor-parallel-size 1 x --expert-model-parallel-size 4"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--disable-bias-linear"], 2, "needs --sequence-parallel"),
+    (["--num-experts", "4", "--moe-router-topk", "1", "--disable-bias-linear"], 1, "needs --moe-router-pre-softmax"),
+    (["--num-experts", "4", "--moe-router-topk", "5", "--disable-bias-linear"], 1, "between 1 and --num-experts 4"),
+    (["--num-experts", "4", "--moe-ffn-hidden-size", "65", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+      "--disable-bias-linear"], 2, "not divisible by --expert-tensor-parallel-size 2"),
+    (["--num-experts", "4", "--moe-pad-expert-input-to-capacity", "--disable-bias-linear"], 1, "needs --moe-expert-capacity-factor"),
+    (["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-2-memory-optimization", "--disable-bias-linear"], 2,
+     "use --zero-1-memory-optimization"),
+    (["--expert-model-parallel-size", "2"], 2, "need --num-experts"),
+])
+def test_moe_rejections(extra, world, match):
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        parse_args(BASE + extra).validate(world)
+
+
+def test_expert_data_parallel_size():
+    c = parse_args(BASE + ["--num-experts", "4", "--disable-bias-linear", "--tensor-model-parallel-size", "2",
+                           "--sequence-parallel", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"])
+    assert c.validate(8).expert_data_parallel_size == 4 and c.data_parallel_size == 4
