@@ -23,6 +23,8 @@ SETTINGS = {
 
 LAYOUTS = {  # name -> (processes, flags, settings)
     "tp2": (2, ["--tensor-model-parallel-size", "2"], "default"),
+    # sequence parallelism on the CPU backend (compat: cuda_device_arguments_to_cpu_in_backward)
+    "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"], "default"),
     "pp2": (2, ["--pipeline-model-parallel-size", "2"], "default"),
     "pp2_vpp2": (2, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"], "default"),
     "dp2": (2, [], "default"),
@@ -53,7 +55,8 @@ def references(tmp_path_factory):
 
 
 # tp2 alone is slow for CI time: the fast tp2_pp2_dp2_zero1 and tp2_dp2_zero2 layouts include TP2
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n == "tp2" else ()) for n in LAYOUTS])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in ("tp2", "tp2_sp") else ())
+                                  for n in LAYOUTS])
 def test_layout_matches_single_process(name, references, tmp_path):
     nproc, args, settings = LAYOUTS[name]
     ref_lines, ref_weights = references(settings)

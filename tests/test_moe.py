@@ -41,7 +41,10 @@ def reference(tmp_path_factory):
     return lines, _model(full_weights(str(d / "ckpt" / "iter_0000005")))
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
+FAST = ("ep2", "tp2_ep2")  # the rest run in `make test-all` (CI time)
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])
 def test_layout_matches_single_process(name, reference, tmp_path):
     nproc, args = LAYOUTS[name]
     ref_lines, ref_weights = reference
