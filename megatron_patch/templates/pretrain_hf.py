@@ -29,24 +29,6 @@ def _world() -> tuple:
     return 0, 1
 
 
-def _loader(dataset, cfg, consumed: int, cycle: bool):
-    from megatron_patch.training.data import PretrainingBatchSampler
-
-    rank, world = _world()
-    total = len(dataset)
-    sampler = PretrainingBatchSampler(total, consumed % total if cycle else consumed, cfg.micro_batch_size, rank, world)
-    loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.num_workers,
-                                         generator=torch.Generator().manual_seed(cfg.seed))
-    if not cycle:
-        return iter(loader)
-
-    def forever():
-        while True:
-            yield from loader
-            sampler.consumed = 0
-    return forever()
-
-
 class DynamicShape:
     """`--data-iterator dynamic-shape`: the samples of one optimizer step (this worker's share of a global batch:
     the same samples as fixed-shape) are bucketed by length with the C++ helper (`packing.bucket_by_length`)
@@ -264,6 +246,7 @@ def _mean(value: torch.Tensor) -> float:
 def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
     """Pretrain a Hugging Face/PyTorch `model` on `datasets` for cfg.train_iters iterations."""
     from megatron_patch.accelerations import accelerate
+    from megatron_patch.training.data import build_iterator
 
     from .finetuner import no_sync
     from .schedule import build_scheduler
@@ -294,8 +277,9 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
         log.info(f"resumed from {args.load} at iteration {start}")
     log.info(f"training: {cfg.train_iters} iterations of {cfg.global_batch_size} samples ({cfg.micro_batch_size} per "
              f"worker x {world} worker(s) x {accum} accumulation), {len(train_ds)} training samples")
-    train_iter = _loader(train_ds, cfg, start * cfg.global_batch_size, cycle=False)
-    valid_iter = _loader(valid_ds, cfg, 0, cycle=True) if valid_ds is not None and cfg.eval_iters > 0 else None
+    # the engine's iterators: Megatron's batch order over data-parallel ranks (here every worker), from `consumed`
+    train_iter = build_iterator(train_ds, cfg, start * cfg.global_batch_size, cycle=False)
+    valid_iter = build_iterator(valid_ds, cfg, 0, cycle=True) if cfg.eval_iters > 0 else None
     dynamic = args.data_iterator == "dynamic-shape"
     if dynamic:  # training only: validation batches stay fixed-shape, so their losses compare across runs
         # widths rounded to 64 tokens (--pad-to-multiple-of): each new batch shape costs the GPU a slow first

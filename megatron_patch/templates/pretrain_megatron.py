@@ -45,9 +45,9 @@ def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Confi
         values["data_path"] = values["data_path"].split()
     values["lr_warmup_iters"] = values.get("lr_warmup_iters") or 0
     values["data_iterator"] = "fixed-shape"  # checked below for a Megatron model; the HF path has its own
-    for key in ("load",):  # Hugging Face templates default --load to the model directory; the engine does not
-        if values.get(key) and values.get(key) == getattr(args, "pretrained_model_name_or_path", None):
-            values.pop(key)
+    # Hugging Face templates default --load to the model directory; the engine does not
+    if values.get("load") and values["load"] == getattr(args, "pretrained_model_name_or_path", None):
+        values.pop("load")
     cfg = Config(**values)
     if accelerations:
         used = [f"--{n.replace('_', '-')}" for n in _HF_ONLY if getattr(args, n, False)]
@@ -101,13 +101,6 @@ def is_megatron_model(model) -> bool:
     return bool(chunks) and all(isinstance(c, MegatronModule) for c in chunks)
 
 
-def _is_post_process(chunk: torch.nn.Module) -> bool:
-    inner = chunk
-    while not hasattr(inner, "post_process") and isinstance(getattr(inner, "module", None), torch.nn.Module):
-        inner = inner.module
-    return bool(getattr(inner, "post_process", True))
-
-
 class _StageModel:
     """The `model` the user's run_forward_step calls: the real chunk, whose output is recorded."""
 
@@ -135,14 +128,12 @@ def _loss_func(loss: torch.Tensor):
     return loss_func
 
 
-def _unused_loss_func(output_tensor):
-    raise RuntimeError("internal: a loss function was called on a pipeline stage that is not the last")
-
-
 def megatron_forward_step(run_forward_step):
     """megatron-core's forward-step function around the user's `run_forward_step(data_iterator, model)`."""
+    from megatron_patch.training.loop import no_loss, stage_flags
+
     def forward_step(data_iterator, model):
-        last = _is_post_process(model)
+        last = stage_flags(model)[1]
         stage = _StageModel(model, last)
         loss = run_forward_step(data_iterator, stage)
         if stage.output is None:
@@ -153,7 +144,7 @@ def megatron_forward_step(run_forward_step):
                 raise TypeError("run_forward_step(data_iterator, model) must return the loss as a 0-dim tensor, got "
                                 f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}")
             return loss, _loss_func(loss)
-        return stage.output, _unused_loss_func
+        return stage.output, no_loss
     return forward_step
 
 

@@ -155,7 +155,7 @@ def forward_step(data_iterator, model, seq_length: int):
 
     pre, post = stage_flags(model)
     if not (pre or post):
-        return model(None, None, None), _no_loss
+        return model(None, None, None), no_loss
     batch = next(data_iterator) if data_iterator is not None else None
     if batch is not None:  # one int64 buffer: loss_mask is 0/1
         batch = {k: batch[k].long() if k == "loss_mask" else batch[k] for k in BATCH_KEYS}
@@ -173,7 +173,8 @@ def forward_step(data_iterator, model, seq_length: int):
     return output, loss_func
 
 
-def _no_loss(output_tensor):
+def no_loss(output_tensor):
+    """The loss function of a pipeline stage that is not the last (the schedule never calls it)."""
     raise RuntimeError("internal: a loss function was called on a pipeline stage that is not the last")
 
 
