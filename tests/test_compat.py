@@ -111,6 +111,19 @@ def test_restore_adam_step():
     assert [s["step"].item() for s in inner.state.values()] == [7.0, 7.0]
 
 
+def test_restore_adam_step_of_each_chained_member():
+    """MoE's ChainedOptimizer (dense, expert) loads {index: state}: each member takes its own step."""
+    members = []
+    for _ in range(2):
+        inner = _adamw(torch.ones(2))
+        inner.state[inner.param_groups[0]["params"][0]] = {"step": torch.tensor(1.0)}
+        members.append(types.SimpleNamespace(optimizer=inner))
+    chained = types.SimpleNamespace(chained_optimizers=members)
+    adam_state.restore_adam_step(chained, {1: {"optimizer": {"param_groups": [{"step": 5}]}},
+                                           0: {"optimizer": {"param_groups": [{"step": 4}]}}})
+    assert [next(iter(m.optimizer.state.values()))["step"].item() for m in members] == [4.0, 5.0]
+
+
 def test_steps_on_param_device():
     inner = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2, device="meta"))], lr=0.1)
     (p,) = inner.param_groups[0]["params"]

@@ -54,7 +54,13 @@ def fill_empty_adam_state(optimizer) -> None:
 def restore_adam_step(optimizer, loaded_optimizer_state) -> None:
     """Set every tensor `step` of the inner torch optimizers to the single step recorded in the loaded
     state's param groups (`loaded_optimizer_state["optimizer"]["param_groups"][i]["step"]`); no-op when
-    there is no such single step."""
+    there is no such single step. A ChainedOptimizer of several (MoE: dense and expert parameters) loads a
+    dict {index: state} and each member takes the step of its own state."""
+    members = getattr(optimizer, "chained_optimizers", [optimizer])
+    if len(members) > 1 and isinstance(loaded_optimizer_state, dict):
+        for member, (_, state) in zip(members, sorted(loaded_optimizer_state.items())):
+            restore_adam_step(member, state)
+        return
     opt = loaded_optimizer_state.get("optimizer") if isinstance(loaded_optimizer_state, dict) else None
     groups = (opt or {}).get("param_groups") if isinstance(opt, dict) else None
     steps = {g["step"] for g in groups or [] if "step" in g}
