@@ -68,3 +68,13 @@ def test_resume_with_dropout(tmp_path, extra, rel):
         b = full_weights(str(tmp_path / "ck" / "iter_0000010"))
         for k in a:
             assert (a[k] - b[k]).abs().max() < 1e-5, k
+
+
+def test_moe_bf16_tracks_fp32(tmp_path):
+    """MoE on the GPU (router counts reduced over NCCL, experts as SequentialMLP): bf16 follows fp32."""
+    moe = [*GPU, "--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01"]
+    ref, _ = run_engine(tmp_path / "fp32", 1, *moe)
+    lines, _ = run_engine(tmp_path / "bf16", 1, *moe, "--bf16")
+    close(train_losses(lines), train_losses(ref), rel=2e-2)
+    assert train_losses(lines)[-1] < train_losses(lines)[0] - 0.3
+    assert all(sum(layer) == 8 * 128 * 2 for x in lines if "moe_tokens_per_expert" in x for layer in x["moe_tokens_per_expert"])

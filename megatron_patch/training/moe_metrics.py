@@ -37,7 +37,9 @@ class MoEMetrics:
 
     def __init__(self, cfg: Config, model) -> None:
         self.cfg = cfg
-        self.counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.float64)
+        # On the device the routers run on: the counts add up there without a host sync, and NCCL reduces them.
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        self.counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device=device)
         for chunk in model:
             for module in chunk.modules():
                 if isinstance(module, Router):
@@ -48,7 +50,7 @@ class MoEMetrics:
         # aux losses do.
         if router.training and torch.is_grad_enabled() and router.layer_number is not None:
             _, routing_map = output  # [tokens, experts] bool: which experts each token goes to (after dropping)
-            self.counts[router.layer_number - 1] += routing_map.sum(dim=0).to(self.counts)
+            self.counts[router.layer_number - 1] += routing_map.sum(dim=0)
 
     def report(self, num_microbatches: int, iteration: int) -> Dict[str, object]:
         """This step's metrics, identical on every rank; clears the counts and megatron-core's tracker.
@@ -75,7 +77,7 @@ class MoEMetrics:
         moe_layers = [i for i in range(cfg.num_layers) if i % cfg.moe_layer_freq == 0]
         per_layer = counts[moe_layers]
         out["moe_tokens_per_expert"] = [[int(x) for x in row] for row in per_layer.tolist()]
-        mean = per_layer.mean(dim=1).clamp(min=1)
+        mean = per_layer.double().mean(dim=1).clamp(min=1)
         out["moe_max_load"] = float((per_layer.max(dim=1).values / mean).max())
         self.counts.zero_()
         return out
