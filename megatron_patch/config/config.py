@@ -57,6 +57,10 @@ class Config:
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_drop_policy: str = "probs"  # probs | position
     moe_per_layer_logging: bool = False
+    # ---- BERT (pretrain_megatron_bert.py; Megatron-LM's names and defaults)
+    bert_binary_head: bool = True  # next-sentence prediction head and loss; --bert-no-binary-head drops them
+    mask_prob: float = 0.15  # share of tokens the masked-LM objective predicts
+    short_seq_prob: float = 0.1  # share of samples cut shorter than --seq-length
 
     # ---- data
     data_path: List[str] = field(default_factory=list)
