@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "(slower start-up; used by the parallel tests)")
     for name in ("swiglu", "openai-gelu", "untie-embeddings-and-output-weights", "disable-bias-linear", "add-qkv-bias"):
         g.add_argument(f"--{name}", action="store_true")
+    g.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_false",
+                   help="BERT: no pooler and next-sentence-prediction head (masked LM only)")
 
     g = p.add_argument_group("mixture of experts (megatron-core MoELayer)")
     g.add_argument("--num-experts", type=int, help="experts per MoE layer (default: a dense MLP)")

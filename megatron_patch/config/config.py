@@ -42,6 +42,7 @@ class Config:
     # Rows of the embedding after padding, when a checkpoint fixes them (else derived, see models.gpt)
     padded_vocab_size: Optional[int] = None
     attention_backend: str = "auto"  # auto (te if importable, else sdpa) | sdpa | local | te
+    bert_binary_head: bool = True  # BERT: pooler + next-sentence head (Megatron-LM's --bert-no-binary-head turns it off)
     init_layout_invariant: bool = False
     # ---- mixture of experts (megatron-core MoELayer; None = dense MLP)
     num_experts: Optional[int] = None

@@ -20,7 +20,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megatron_patch.config import Config, ConfigError
-from megatron_patch.models import build_gpt_model, padded_vocab_size
+from megatron_patch.models import build_bert_model, build_gpt_model, padded_vocab_size
 from megatron_patch.models.init import layout_invariant_init
 from megatron_patch.parallel import initialize, print_rank_0
 
@@ -57,6 +57,13 @@ def model_info(cfg: Config, vocab: int) -> Dict:
     return info
 
 
+def build_model_chunk(cfg: Config, vocab_size: int, pre_process: bool, post_process: bool, vp_stage=None):
+    """One bare model chunk of the family: BERT (--model-family bert) or GPT (every other family)."""
+    if cfg.model_family == "bert":
+        return build_bert_model(cfg, vocab_size, pre_process, post_process, vp_stage, add_binary_head=cfg.bert_binary_head)
+    return build_gpt_model(cfg, vocab_size, pre_process, post_process, vp_stage)
+
+
 def build_model_chunks(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
     """This rank's bare GPTModel chunks (one per virtual pipeline stage), initialised (or loaded from
     --load-hf) and, with --compile, compiled."""
@@ -64,7 +71,7 @@ def build_model_chunks(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
     chunks = []
     for vp in range(vpp or 1):
         stage = vp if vpp else None
-        chunk = build_gpt_model(
+        chunk = build_model_chunk(
             cfg, vocab_size,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -74,10 +81,11 @@ def build_model_chunks(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
             layout_invariant_init(chunk, cfg.seed, cfg.init_method_std, cfg.swiglu)
         chunks.append(chunk)
     if cfg.load_hf:  # before the wrappers: fp16/bf16 copies, DDP buffers and FSDP shards start from these weights
-        from megatron_patch.conversion.load_hf import load_hf_weights
+        from megatron_patch.conversion.load_hf import describe_load, load_hf_weights
 
         loaded = load_hf_weights(chunks, cfg, cfg.load_hf)
-        print_rank_0(f"loaded {loaded['tensors']} Hugging Face tensors from --load-hf {cfg.load_hf}")
+        for line in describe_load(loaded, f"--load-hf {cfg.load_hf}"):
+            print_rank_0(line)
     if cfg.compile:
         for chunk in chunks:
             # Compile the forward only, so the module (its parameters, state-dict keys) stays the same object.
