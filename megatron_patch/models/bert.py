@@ -7,8 +7,8 @@
 
 megatron-core 0.19.2's BertModel is Megatron-LM's pre-LN variant (no embedding LayerNorm, a final LayerNorm);
 the three places where post-LN needs more than a layer spec are in megatron_patch/compat/post_layernorm.py.
-Attention takes a key-padding mask ([b, 1, 1, s], as Hugging Face), so padded positions never attend to
-padding and every row stays finite under SDPA. Token types: always 2 embeddings (Hugging Face's
+Attention takes a key-padding mask ([b, 1, 1, s], as Hugging Face): no position attends to padding, and
+padded positions compute what Hugging Face computes for them. Token types: always 2 embeddings (Hugging Face's
 type_vocab_size), and `tokentype_ids=None` means all zeros, as in Hugging Face.
 """
 from __future__ import annotations
@@ -88,7 +88,8 @@ class BertModelWithVocab(BertModel):
     def bert_extended_attention_mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
         """[b, s] (1 = token, 0 = padding) -> [b, 1, 1, s], True where attention is *not* allowed: a key-padding
         mask, as Hugging Face's. (megatron-core's [b, 1, s, s] outer product also masks every key of a padded
-        query, a row that SDPA turns into NaN, which then reaches every position through the values.)"""
+        query; what such a row yields depends on the attention kernel (zeros, NaN), and the hidden states of
+        padded positions then differ from Hugging Face's.)"""
         return (attention_mask < 0.5).unsqueeze(1).unsqueeze(1)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
