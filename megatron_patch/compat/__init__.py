@@ -65,6 +65,8 @@ Called at their call sites (not applied globally):
   optimizer.py     replace_torch_optimizer (LAMB into megatron-core's wrappers), use_fused_adam (GPU)
   adam_state.py    fill_empty_adam_state, restore_adam_step, steps_on_param_device (checkpointing)
   megatron_fsdp.py use_distributed_params, copy_main_to_model_params, prepare_uneven_dtensor_state (ZeRO-2 checkpoints)
+  post_layernorm.py post_layernorm_transformer_layer, drop_final_layernorm, norm_before_embedding_dropout
+                   (BERT's post-LN, models/bert.py)
 
 Adding a workaround
 -------------------
@@ -95,7 +97,7 @@ import logging
 import torch
 
 from . import (adam_state, cpu_backend, megatron_fsdp, moe, onnx_runtime, optimizer,  # noqa: F401  (registers their patches)
-               safe_loading)
+               post_layernorm, safe_loading)
 from .registry import PATCHES, Patch
 from .versions import TESTED, UntestedVersionWarning, check_versions
 

@@ -11,11 +11,9 @@ from .config import ConfigError
 ARCHITECTURE = ("model_family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                 "ffn_hidden_size", "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
                 "normalization", "norm_epsilon", "swiglu", "openai_gelu", "untie_embeddings_and_output_weights",
-                "disable_bias_linear", "add_qkv_bias", "model_vocab_size", "padded_vocab_size",
+                "disable_bias_linear", "add_qkv_bias", "model_vocab_size", "padded_vocab_size", "bert_binary_head",
                 # mixture of experts: which layers have experts, how many, their width and routing
-                "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_pre_softmax",
-                # BERT: the next-sentence head and the token-type embedding exist only with it
-                "bert_binary_head")
+                "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_pre_softmax")
 FLAG = {"untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
         "bert_binary_head": "--bert-no-binary-head"}
 

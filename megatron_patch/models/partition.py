@@ -18,13 +18,13 @@ def global_name(name: str, module) -> str:
     layer as local_experts.0, 1, ...), and a tied output layer named after the embedding it copies."""
     m = re.search(r"(decoder|encoder)\.layers\.(\d+)\.", name)  # GPTModel's decoder, BertModel's encoder
     if m:
-        block, index = m.group(1), int(m.group(2))
-        layer = getattr(module, block).layers[index]
+        stack = m.group(1)
+        layer = getattr(module, stack).layers[int(m.group(2))]
         e = re.search(r"\.mlp\.experts\.local_experts\.(\d+)\.", name)
         if e:
             expert = layer.mlp.local_expert_indices[int(e.group(1))]
             name = name.replace(e.group(0), f".mlp.experts.local_experts.{expert}.")
-        name = name.replace(m.group(0), f"{block}.layers.{layer.layer_number - 1}.")
+        name = name.replace(m.group(0), f"{stack}.layers.{layer.layer_number - 1}.")
     if name == "output_layer.weight" and getattr(module, "share_embeddings_and_output_weights", False):
         name = "embedding.word_embeddings.weight"
     return name

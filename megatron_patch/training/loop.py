@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Callable, Dict, List, Sequence
+from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megatron_patch.config import Config, ConfigError
-from megatron_patch.models import build_gpt_model, padded_vocab_size
+from megatron_patch.models import build_bert_model, build_gpt_model, padded_vocab_size
 from megatron_patch.models.init import layout_invariant_init
 from megatron_patch.parallel import initialize, print_rank_0
 
@@ -57,16 +57,21 @@ def model_info(cfg: Config, vocab: int) -> Dict:
     return info
 
 
-def build_model_chunks(cfg: Config, vocab_size: int, build: Callable[..., torch.nn.Module] = build_gpt_model
-                       ) -> List[torch.nn.Module]:
-    """This rank's bare model chunks (one per virtual pipeline stage), initialised (or loaded from
-    --load-hf) and, with --compile, compiled. `build(cfg, vocab_size, pre_process=, post_process=, vp_stage=)`
-    makes one chunk: a GPTModel by default (BERT: megatron_patch.training.bert)."""
+def build_model_chunk(cfg: Config, vocab_size: int, pre_process: bool, post_process: bool, vp_stage=None):
+    """One bare model chunk of the family: BERT (--model-family bert) or GPT (every other family)."""
+    if cfg.model_family == "bert":
+        return build_bert_model(cfg, vocab_size, pre_process, post_process, vp_stage, add_binary_head=cfg.bert_binary_head)
+    return build_gpt_model(cfg, vocab_size, pre_process, post_process, vp_stage)
+
+
+def build_model_chunks(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
+    """This rank's bare model chunks (GPTModel, or BertModel for --model-family bert; one per virtual pipeline
+    stage), initialised (or loaded from --load-hf) and, with --compile, compiled."""
     vpp = cfg.virtual_pipeline_model_parallel_size
     chunks = []
     for vp in range(vpp or 1):
         stage = vp if vpp else None
-        chunk = build(
+        chunk = build_model_chunk(
             cfg, vocab_size,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -76,10 +81,11 @@ def build_model_chunks(cfg: Config, vocab_size: int, build: Callable[..., torch.
             layout_invariant_init(chunk, cfg.seed, cfg.init_method_std, cfg.swiglu)
         chunks.append(chunk)
     if cfg.load_hf:  # before the wrappers: fp16/bf16 copies, DDP buffers and FSDP shards start from these weights
-        from megatron_patch.conversion.load_hf import load_hf_weights
+        from megatron_patch.conversion.load_hf import describe_load, load_hf_weights
 
         loaded = load_hf_weights(chunks, cfg, cfg.load_hf)
-        print_rank_0(f"loaded {loaded['tensors']} Hugging Face tensors from --load-hf {cfg.load_hf}")
+        for line in describe_load(loaded, f"--load-hf {cfg.load_hf}"):
+            print_rank_0(line)
     if cfg.compile:
         for chunk in chunks:
             # Compile the forward only, so the module (its parameters, state-dict keys) stays the same object.
@@ -181,7 +187,7 @@ def no_loss(output_tensor):
 
 
 def _mean_losses(losses: List[Dict[str, torch.Tensor]], keys: Sequence[str] = ("lm loss",)) -> Dict[str, float]:
-    """Mean of each reported loss (`keys`: "lm loss", and for BERT "nsp loss") over the micro batches of the
+    """Mean of each reported loss (`keys`: "lm loss", and for BERT "sop loss") over the micro batches of the
     global batch, known on every rank afterwards (only the last pipeline stage computes them)."""
     t = torch.zeros(len(keys) + 1, device=_device())
     if mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0 and losses:
@@ -229,7 +235,7 @@ class Trainer:
     """Holds the state of one pretraining run; `train()` runs it."""
 
     # The losses the forward step's loss function reports; the objective ("loss" in the metrics) is their
-    # sum, and with more than one each is also logged on its own (BERT: "lm loss" and "nsp loss").
+    # sum, and with more than one each is also logged on its own (BERT: "lm loss" and "sop loss").
     loss_keys: Sequence[str] = ("lm loss",)
     reads_where = "tensor-parallel rank 0 of the first and last pipeline stages"  # which ranks _reads_data picks, in words
 
@@ -326,7 +332,7 @@ class Trainer:
 
     def _objective(self, losses: List[Dict[str, torch.Tensor]]) -> float:
         """The global batch's objective (sum of the reported losses); sets `loss_components` to each of them by
-        its metrics name ("lm_loss", "nsp_loss") when there is more than one, else to {}."""
+        its metrics name ("lm_loss", "sop_loss") when there is more than one, else to {}."""
         means = _mean_losses(losses, self.loss_keys)
         self.loss_components = {k.replace(" ", "_"): v for k, v in means.items()} if len(means) > 1 else {}
         return sum(means.values())
