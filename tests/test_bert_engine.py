@@ -44,12 +44,12 @@ def reference(bert_flags, tmp_path_factory):
     """(metrics lines, directory) of the single-process run, with checkpoints at iterations 3 and 6."""
     d = tmp_path_factory.mktemp("bert_tp1")
     lines, proc = run_bert(d, 1, bert_flags, "--save", str(d / "ck"), "--save-interval", "3")
-    assert "lm loss" in proc.stdout and "nsp loss" in proc.stdout  # the log line names both
+    assert "lm loss" in proc.stdout and "sop loss" in proc.stdout  # the log line names both
     return lines, d
 
 
 def assert_same_run(lines, ref_lines, rel=1e-5):
-    for key in ("loss", "lm_loss", "nsp_loss", "grad_norm"):
+    for key in ("loss", "lm_loss", "sop_loss", "grad_norm"):
         got, want = per_iteration(lines, key), per_iteration(ref_lines, key)
         assert len(got) == len(want) == 6, key
         assert got == pytest.approx(want, rel=rel), key
@@ -57,12 +57,12 @@ def assert_same_run(lines, ref_lines, rel=1e-5):
 
 def test_single_process_trains_both_objectives(reference):
     lines, _ = reference
-    lm, nsp, loss = (per_iteration(lines, k) for k in ("lm_loss", "nsp_loss", "loss"))
+    lm, nsp, loss = (per_iteration(lines, k) for k in ("lm_loss", "sop_loss", "loss"))  # sop: Megatron-LM's name
     assert all(a + b == pytest.approx(c, rel=1e-6) for a, b, c in zip(lm, nsp, loss))  # objective = LM + NSP
     assert 9 < lm[0] < 11.5 and 0.5 < nsp[0] < 0.9  # ln(30522) = 10.3; ln(2) = 0.69
     assert lm[-1] < lm[0] - 0.1  # learns
     valid = [x for x in lines if "valid_loss" in x]
-    assert valid and all(x["valid_loss"] == pytest.approx(x["valid_lm_loss"] + x["valid_nsp_loss"]) for x in valid)
+    assert valid and all(x["valid_loss"] == pytest.approx(x["valid_lm_loss"] + x["valid_sop_loss"]) for x in valid)
 
 
 LAYOUTS = {  # name -> (processes, flags)
@@ -91,7 +91,7 @@ def test_resume_is_exact(reference, bert_flags, tmp_path):
     (ck / "latest_checkpointed_iteration.txt").write_text("3")
     lines, proc = run_bert(tmp_path, 1, bert_flags, "--load", str(ck))
     assert "(iteration 3)" in proc.stdout
-    for key in ("lm_loss", "nsp_loss", "grad_norm"):
+    for key in ("lm_loss", "sop_loss", "grad_norm"):
         want = [x[key] for x in ref_lines if key in x and x["iteration"] > 3]
         assert per_iteration(lines, key) == pytest.approx(want, rel=1e-6), key
 
@@ -100,37 +100,52 @@ def test_no_binary_head_trains_masked_lm_only(reference, bert_flags, tmp_path):
     flags = list(bert_flags)
     flags[flags.index("--train-iters") + 1] = "2"
     lines, proc = run_bert(tmp_path, 1, flags, "--bert-no-binary-head")
-    assert "nsp loss" not in proc.stdout and "iteration      2/2 | loss " in proc.stdout
-    assert len(per_iteration(lines, "loss")) == 2 and not any("nsp_loss" in x or "lm_loss" in x for x in lines)
-    # Neither the next-sentence head (pooler 64x64 + 64, binary head 2x64 + 2) nor the token-type embedding (2x64).
+    assert "sop loss" not in proc.stdout and "iteration      2/2 | loss " in proc.stdout
+    assert len(per_iteration(lines, "loss")) == 2 and not any("sop_loss" in x or "lm_loss" in x for x in lines)
+    # No next-sentence head: pooler 64x64 + 64, binary head 2x64 + 2.
     params = [x["num_params"] for x in lines if "num_params" in x]
     ref_params = [x["num_params"] for x in reference[0] if "num_params" in x]
-    assert ref_params[0] - params[0] == 64 * 64 + 64 + 2 * 64 + 2 + 2 * 64
+    assert ref_params[0] - params[0] == 64 * 64 + 64 + 2 * 64 + 2
 
 
-def test_bert_loss_is_masked_lm_mean_plus_next_sentence():
-    """The loss function alone: LM loss averaged over the masked positions only, NSP cross entropy added."""
-    from megatron_patch.training.bert import bert_loss
+def test_forward_step_feeds_the_model_and_adds_both_losses():
+    """The forward step alone, on a stand-in model (one process, no tensor parallelism): tokens, token types,
+    padding mask and labels reach the model, and the loss is the masked-mean LM loss plus the NSP loss."""
+    from megatron_patch.training.bert import BATCH_KEYS, bert_forward_step
 
-    lm_losses = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
-    mask = torch.tensor([[1.0, 0.0, 1.0], [0.0, 0.0, 1.0]])
-    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
-    is_random = torch.tensor([0, 1])
-    total, parts = bert_loss(mask, is_random, (lm_losses, logits))
-    nsp = torch.nn.functional.cross_entropy(logits, is_random)
-    assert parts["lm loss"].item() == pytest.approx(10 / 3)
-    assert parts["nsp loss"].item() == pytest.approx(nsp.item())
-    assert total.item() == pytest.approx(10 / 3 + nsp.item())
-    total, parts = bert_loss(mask, is_random, (lm_losses, None))  # --bert-no-binary-head
-    assert set(parts) == {"lm loss"} and total.item() == pytest.approx(10 / 3)
+    g = torch.Generator().manual_seed(0)
+    batch = {"text": torch.randint(5, 50, (2, 4), generator=g), "types": torch.tensor([[0, 0, 1, 1], [0, 1, 1, 0]]),
+             "labels": torch.randint(5, 50, (2, 4), generator=g), "is_random": torch.tensor([0, 1]),
+             "loss_mask": torch.tensor([[1, 0, 1, 0], [0, 0, 1, 0]]), "padding_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])}
+    lm_losses, logits = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]]), torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+    seen = {}
+
+    def model(tokens, padding_mask, tokentype_ids=None, lm_labels=None):
+        seen.update(text=tokens, padding_mask=padding_mask, types=tokentype_ids, labels=lm_labels)
+        return lm_losses, logits
+
+    output, loss_func = bert_forward_step(iter([{k: batch[k] for k in BATCH_KEYS}]), model)
+    for key in ("text", "types", "padding_mask", "labels"):
+        assert torch.equal(seen[key], batch[key]), key
+    total, parts = loss_func(output)
+    nsp = torch.nn.functional.cross_entropy(logits, batch["is_random"]).item()
+    assert parts["lm loss"].item() == pytest.approx((1 + 3 + 7) / 3)
+    assert parts["sop loss"].item() == pytest.approx(nsp)
+    assert total.item() == pytest.approx((1 + 3 + 7) / 3 + nsp)
+    total, parts = loss_func((lm_losses, None))  # --bert-no-binary-head: no NSP logits
+    assert set(parts) == {"lm loss"} and total.item() == pytest.approx(11 / 3)
+    total /= 2  # as the schedule does: the reported loss must not change with it
+    assert parts["lm loss"].item() == pytest.approx(11 / 3)
 
 
 def test_configuration_mistakes_are_refused_in_words(bert_flags, tmp_path):
     from megatron_patch.config import ConfigError, parse_args
+    from megatron_patch.config.validate import validate_bert_pretraining
 
-    def refused(*args, model="bert", world=1):
+    def refused(*args, model="bert"):
         with pytest.raises(ConfigError) as e:
-            parse_args([*bert_flags, *args], model=model).validate(world)
+            cfg = parse_args([*bert_flags, *args], model=model).validate(1)
+            validate_bert_pretraining(cfg)
         return str(e.value)
 
     assert "BertWordPieceLowerCase or BertWordPieceCase" in refused("--tokenizer-type", "GPT2BPETokenizer")
@@ -172,11 +187,11 @@ def test_run_bert_sh_defaults_both_losses_fall(tmp_path):
                           text=True, env=env, timeout=1500)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
-    lm, nsp = per_iteration(lines, "lm_loss"), per_iteration(lines, "nsp_loss")
+    lm, nsp = per_iteration(lines, "lm_loss"), per_iteration(lines, "sop_loss")
     assert len(lm) == len(nsp) == 300
     first, last = slice(0, 30), slice(-30, None)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     assert mean(lm[last]) < mean(lm[first]) - 2.0, (mean(lm[first]), mean(lm[last]))
     assert mean(nsp[last]) < mean(nsp[first]) - 0.05, (mean(nsp[first]), mean(nsp[last]))
-    assert "lm loss" in proc.stdout and "nsp loss" in proc.stdout and "validation at iteration 300" in proc.stdout
+    assert "lm loss" in proc.stdout and "sop loss" in proc.stdout and "validation at iteration 300" in proc.stdout
     assert (tmp_path / "out" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "300"

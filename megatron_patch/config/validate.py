@@ -90,8 +90,10 @@ def validate_moe(c: Config, world_size: int, tp: int, pp: int) -> int:
 BERT_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
 
 
-def validate_bert(c: Config) -> None:
-    """Settings of BERT pretraining (--model-family bert, pretrain_megatron_bert.py)."""
+def validate_bert_pretraining(c: Config) -> None:
+    """Settings of BERT pretraining (pretrain_megatron_bert.py), after `validate`: its data and objective. (The
+    model's own limits are checked where it is built, models/bert.py: check_bert_config; a BERT used elsewhere,
+    e.g. converted from Hugging Face, needs none of these.)"""
     if c.mock_data:
         _fail("BERT pretraining has no --mock-data (megatron-core has no mock BERT dataset): pass --data-path "
               "PREFIX_text_sentence made by tools/preprocess_data.py --split-sentences with a WordPiece tokenizer")
@@ -104,13 +106,8 @@ def validate_bert(c: Config) -> None:
         _fail(f"--short-seq-prob {c.short_seq_prob} must be between 0 and 1 (default 0.1)")
     if c.num_experts:
         _fail("--num-experts: the BERT layers have dense MLPs only; mixture of experts is for GPT-family models")
-    if c.load_hf:
-        _fail("--load-hf starts GPT/Llama-family models; BERT pretraining starts from scratch or from --load")
     if c.seq_length < 8:
         _fail(f"--seq-length {c.seq_length} is too short for BERT samples ([CLS] A [SEP] B [SEP] and masked tokens)")
-    if c.zero_2_memory_optimization:
-        _fail("--zero-2-memory-optimization (Megatron-FSDP) is not supported for BERT yet; use "
-              "--zero-1-memory-optimization (megatron-core's distributed optimizer)")
     if c.num_layers_per_virtual_pipeline_stage is not None:
         _fail("--num-layers-per-virtual-pipeline-stage: megatron-core's BertModel decides where the embedding is by "
               "the pipeline rank, not the virtual stage; use plain pipeline parallelism for BERT")
@@ -155,8 +152,6 @@ def validate(c: Config, world_size: int) -> None:
             _fail(f"--num-layers-per-virtual-pipeline-stage {v} gives one virtual stage per rank; lower it "
                   f"so that --num-layers / (PP x it) >= 2, or drop it for plain 1F1B")
     c.expert_data_parallel_size = validate_moe(c, world_size, tp, pp)
-    if c.model_family == "bert":
-        validate_bert(c)
     if c.global_batch_size is None:
         c.global_batch_size = c.micro_batch_size * dp
     if c.micro_batch_size < 1 or c.global_batch_size % (c.micro_batch_size * dp):

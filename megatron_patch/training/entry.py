@@ -75,6 +75,10 @@ def main(argv: Optional[List[str]] = None, model: str = "gpt") -> int:
         cfg = parse_args(argv, model=model)
         # Before torch and megatron-core are imported and before any process group exists.
         cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+        if model == "bert":
+            from megatron_patch.config.validate import validate_bert_pretraining
+
+            validate_bert_pretraining(cfg)
         if cfg.validate_only:
             from megatron_patch.training.data import check_data
 

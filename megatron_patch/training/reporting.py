@@ -58,7 +58,7 @@ class Reporter:
                 f"{1000 * seconds / iters:.0f} ms/iter | tokens/s {tps:,.0f} | TFLOP/s/GPU {per_gpu:.1f}{mfu}{mem}")
         moe = {k: v for k, v in metrics.items() if k.startswith("moe_") and isinstance(v, float)}
         line += "".join(f" | {k[4:].replace('_', ' ')} {v:.4f}" for k, v in moe.items())
-        parts = _components(metrics)  # BERT: the masked-LM and next-sentence losses that make up `loss`
+        parts = _components(metrics)  # BERT: the masked-LM and next-sentence ("sop") losses that make up `loss`
         if parts:
             line = line.replace(" | lr ", "".join(f" | {k} {v:.4f}" for k, v in parts.items()) + " | lr ", 1)
         if metrics["skipped"]:
@@ -74,7 +74,7 @@ class Reporter:
 
     def validation(self, iteration: int, loss: float, test_loss: Optional[float] = None,
                    components: Optional[Dict[str, float]] = None) -> None:
-        """`components`: the losses that make up `loss` when there are several (BERT: lm_loss, nsp_loss)."""
+        """`components`: the losses that make up `loss` when there are several (BERT: lm_loss, sop_loss)."""
         record = {"iteration": iteration, "valid_loss": loss}
         parts = _components(components or {})
         if parts:
@@ -100,9 +100,9 @@ class Reporter:
             self.writer.flush()
 
 
-LOSS_COMPONENTS = ("lm_loss", "nsp_loss")
+LOSS_COMPONENTS = ("lm_loss", "sop_loss")  # BERT: masked LM, next sentence (Megatron-LM calls it "sop loss")
 
 
 def _components(metrics: Dict[str, float]) -> Dict[str, float]:
-    """The loss components in `metrics`, by their log names ("lm loss", "nsp loss"); {} when there are none."""
+    """The loss components in `metrics`, by their log names ("lm loss", "sop loss"); {} when there are none."""
     return {k.replace("_", " "): metrics[k] for k in LOSS_COMPONENTS if k in metrics}
