@@ -181,7 +181,7 @@ def test_data_without_sentence_pairs_is_refused(tmp_path):
 @pytest.mark.slow  # about 2-3 minutes on 2 CPU cores: data preparation and 300 iterations
 def test_run_bert_sh_defaults_both_losses_fall(tmp_path):
     env = dict(os.environ, OUTPUT=str(tmp_path / "out"), DEMO_DIR=str(tmp_path / "demo"), PYTHONWARNINGS="ignore")
-    for name in ("TRAIN_ITERS", "WARMUP", "SAVE_INTERVAL", "GPUS", "TP", "PP", "MBS", "LR", "DATA_PATH"):
+    for name in ("TRAIN_ITERS", "WARMUP", "SAVE_INTERVAL", "GPUS", "TP", "PP", "MBS", "SEQ_LEN", "LR", "DATA_PATH"):
         env.pop(name, None)
     proc = subprocess.run(["bash", os.path.join(ROOT, "pretrain_scripts", "run_bert.sh")], capture_output=True,
                           text=True, env=env, timeout=1500)
@@ -191,7 +191,8 @@ def test_run_bert_sh_defaults_both_losses_fall(tmp_path):
     assert len(lm) == len(nsp) == 300
     first, last = slice(0, 30), slice(-30, None)
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    assert mean(lm[last]) < mean(lm[first]) - 2.0, (mean(lm[first]), mean(lm[last]))
-    assert mean(nsp[last]) < mean(nsp[first]) - 0.05, (mean(nsp[first]), mean(nsp[last]))
+    # Measured (2 CPU cores): lm 8.19 -> 6.11, sop 0.695 -> 0.512 (means of the first and last 30 iterations).
+    assert mean(lm[last]) < mean(lm[first]) - 1.5, (mean(lm[first]), mean(lm[last]))
+    assert mean(nsp[last]) < mean(nsp[first]) - 0.08, (mean(nsp[first]), mean(nsp[last]))
     assert "lm loss" in proc.stdout and "sop loss" in proc.stdout and "validation at iteration 300" in proc.stdout
     assert (tmp_path / "out" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "300"
