@@ -20,8 +20,8 @@ from engine_utils import ROOT, per_iteration, run_engine
 BERT = os.path.join(ROOT, "pretrain_megatron_bert.py")
 # 4 layers so PP2 has two per stage; 6 iterations, a checkpoint every 3 (the resume test starts from iteration 3).
 FLAGS = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 64 --micro-batch-size 2 "
-         "--global-batch-size 8 --train-iters 6 --lr 1e-3 --lr-decay-style constant --log-interval 1 --eval-interval 3 --eval-iters 1 "
-         "--hidden-dropout 0 --attention-dropout 0 --init-layout-invariant --seed 7 --split 98,2,0").split()
+         "--global-batch-size 8 --train-iters 6 --lr 1e-3 --lr-decay-style constant --log-interval 1 "
+         "--eval-interval 3 --eval-iters 1 --hidden-dropout 0 --attention-dropout 0 --init-layout-invariant --seed 7 --split 98,2,0").split()
 
 
 @pytest.fixture(scope="module")
@@ -116,8 +116,10 @@ def test_forward_step_feeds_the_model_and_adds_both_losses():
     g = torch.Generator().manual_seed(0)
     batch = {"text": torch.randint(5, 50, (2, 4), generator=g), "types": torch.tensor([[0, 0, 1, 1], [0, 1, 1, 0]]),
              "labels": torch.randint(5, 50, (2, 4), generator=g), "is_random": torch.tensor([0, 1]),
-             "loss_mask": torch.tensor([[1, 0, 1, 0], [0, 0, 1, 0]]), "padding_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])}
-    lm_losses, logits = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]]), torch.tensor([[2.0, 0.0], [0.0, 1.0]])
+             "loss_mask": torch.tensor([[1, 0, 1, 0], [0, 0, 1, 0]]),
+             "padding_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]])}
+    lm_losses = torch.tensor([[1.0, 2.0, 3.0, 4.0], [5.0, 6.0, 7.0, 8.0]])
+    logits = torch.tensor([[2.0, 0.0], [0.0, 1.0]])
     seen = {}
 
     def model(tokens, padding_mask, tokentype_ids=None, lm_labels=None):
@@ -156,7 +158,8 @@ def test_configuration_mistakes_are_refused_in_words(bert_flags, tmp_path):
     assert "applies to BERT pretraining" in refused("--bert-no-binary-head", model="gpt")
     assert "pretrain_megatron_bert.py" in refused("--model-family", "bert", model="gpt")
     c = parse_args(["--model-size", "base", *bert_flags], model="bert").validate(1)
-    assert (c.model_family, c.hidden_size, c.norm_epsilon, c.tokenizer_type) == ("bert", 64, 1e-12, "BertWordPieceLowerCase")
+    assert (c.model_family, c.hidden_size, c.norm_epsilon) == ("bert", 64, 1e-12)  # flags win over the base preset
+    assert c.tokenizer_type == "BertWordPieceLowerCase"  # Megatron-LM's default for BERT
     # As users meet it: one line on stderr, exit status 2, before torch is imported.
     proc = subprocess.run([sys.executable, BERT, *bert_flags, "--tensor-model-parallel-size", "3"],
                           capture_output=True, text=True, cwd=tmp_path, timeout=120)

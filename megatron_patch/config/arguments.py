@@ -21,7 +21,8 @@ class _Parser(argparse.ArgumentParser):
 
 
 # BERT-only settings -> their flags (refused by the GPT entry point, which has no use for them)
-BERT_FLAGS = {"bert_binary_head": "--bert-no-binary-head", "mask_prob": "--mask-prob", "short_seq_prob": "--short-seq-prob"}
+BERT_FLAGS = {"bert_binary_head": "--bert-no-binary-head", "mask_prob": "--mask-prob",
+              "short_seq_prob": "--short-seq-prob"}
 MODELS = {"gpt": "a GPT/Llama-family model", "bert": "a BERT model (masked LM + next-sentence prediction)"}
 
 
@@ -32,7 +33,8 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     g = p.add_argument_group("model")
-    g.add_argument("--model-family", choices=list(FAMILIES), help="architecture preset: gpt (GPT-2), llama, qwen2, mistral; bert (pretrain_megatron_bert.py)")
+    g.add_argument("--model-family", choices=list(FAMILIES),
+                   help="architecture preset: gpt (GPT-2), llama, qwen2, mistral; bert (pretrain_megatron_bert.py)")
     g.add_argument("--model-size", help="size preset of the family: " + "; ".join(f"{f}: {', '.join(s)}" for f, s in SIZES.items()))
     for name, typ in [("num-layers", int), ("hidden-size", int), ("num-attention-heads", int), ("num-query-groups", int),
                       ("ffn-hidden-size", int), ("kv-channels", int), ("seq-length", int), ("max-position-embeddings", int), ("rotary-base", int),
@@ -64,7 +66,7 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
 
     g = p.add_argument_group("BERT (pretrain_megatron_bert.py)")
     g.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_false",
-                   help="masked LM only: no next-sentence head, loss or token types (the data then needs no sentence pairs)")
+                   help="masked LM only: no pooler, next-sentence head or loss (the data then needs no sentence pairs)")
     g.add_argument("--mask-prob", type=float, help=f"share of tokens to predict (default {_D.mask_prob})")
     g.add_argument("--short-seq-prob", type=float,
                    help=f"share of samples made shorter than --seq-length (default {_D.short_seq_prob})")

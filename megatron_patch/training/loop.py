@@ -237,7 +237,8 @@ class Trainer:
     # The losses the forward step's loss function reports; the objective ("loss" in the metrics) is their
     # sum, and with more than one each is also logged on its own (BERT: "lm loss" and "sop loss").
     loss_keys: Sequence[str] = ("lm loss",)
-    reads_where = "tensor-parallel rank 0 of the first and last pipeline stages"  # which ranks _reads_data picks, in words
+    # Which ranks _reads_data picks, in words (the log says it after the first step).
+    reads_where = "tensor-parallel rank 0 of the first and last pipeline stages"
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = self._initialize(cfg)
@@ -323,8 +324,8 @@ class Trainer:
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=self.cfg.global_batch_size)
-        metrics = {"loss": self._objective(losses), "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                   "skipped": float(not ok), "lr": lr, "loss_scale": self._loss_scale()}
+        metrics = {"loss": self._objective(losses),
+                   "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "skipped": float(not ok), "lr": lr, "loss_scale": self._loss_scale()}
         metrics.update(self.loss_components)
         if self.moe_metrics is not None:
             metrics.update(self.moe_metrics.report(self.cfg.num_microbatches, self.state.iteration + 1))

@@ -53,21 +53,21 @@ class Reporter:
         peak = peak_tflops()
         mem = f" | mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if torch.cuda.is_available() else ""
         mfu = f" | MFU {100 * per_gpu / peak:.1f}%" if peak else ""
-        line = (f"iteration {it:>6}/{cfg.train_iters} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.3e} | "
+        parts = _components(metrics)  # BERT: the masked-LM and next-sentence ("sop") losses that make up `loss`
+        losses = "".join(f" | {k} {v:.4f}" for k, v in parts.items())
+        line = (f"iteration {it:>6}/{cfg.train_iters} | loss {metrics['loss']:.4f}{losses} | lr {metrics['lr']:.3e} | "
                 f"grad norm {metrics['grad_norm']:.3f} | loss scale {metrics['loss_scale']:g} | "
                 f"{1000 * seconds / iters:.0f} ms/iter | tokens/s {tps:,.0f} | TFLOP/s/GPU {per_gpu:.1f}{mfu}{mem}")
         moe = {k: v for k, v in metrics.items() if k.startswith("moe_") and isinstance(v, float)}
         line += "".join(f" | {k[4:].replace('_', ' ')} {v:.4f}" for k, v in moe.items())
-        parts = _components(metrics)  # BERT: the masked-LM and next-sentence ("sop") losses that make up `loss`
-        if parts:
-            line = line.replace(" | lr ", "".join(f" | {k} {v:.4f}" for k, v in parts.items()) + " | lr ", 1)
         if metrics["skipped"]:
             line += " | step skipped (inf/nan grads, loss scale lowered)"
         print_rank_0(line)
         if self.writer:
-            losses = parts or {"lm loss": metrics["loss"]}
-            for k, v in (*losses.items(), ("learning-rate", metrics["lr"]), ("grad-norm", metrics["grad_norm"]),
-                         ("loss-scale", metrics["loss_scale"]), ("tokens-per-sec", tps), ("tflops-per-gpu", per_gpu)):
+            scalars = {**(parts or {"lm loss": metrics["loss"]}), "learning-rate": metrics["lr"],
+                       "grad-norm": metrics["grad_norm"], "loss-scale": metrics["loss_scale"], "tokens-per-sec": tps,
+                       "tflops-per-gpu": per_gpu}
+            for k, v in scalars.items():
                 self.writer.add_scalar(k, v, it)
             for k, v in moe.items():
                 self.writer.add_scalar(k.replace("moe_", "moe/", 1), v, it)
