@@ -96,6 +96,7 @@ def test_resume_is_exact(reference, bert_flags, tmp_path):
         assert per_iteration(lines, key) == pytest.approx(want, rel=1e-6), key
 
 
+@pytest.mark.slow  # CI time (10 s); the forward-step test covers the loss without NSP logits
 def test_no_binary_head_trains_masked_lm_only(reference, bert_flags, tmp_path):
     flags = list(bert_flags)
     flags[flags.index("--train-iters") + 1] = "2"
