@@ -251,6 +251,10 @@ assert records == [], records
 
 # 10 DeviceMesh.from_group, and the FSDP mesh fix in a world of one
 dist.init_process_group("gloo", init_method="file://" + sys.argv[1], rank=0, world_size=1)
+# precise_grad_norm_on_cpu: the gradient norm in float64: torch.norm is off by ~7e-4 here on the CPU (2M equal fp32 values)
+from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
+g = torch.full((2_000_000,), 1e-3)
+assert abs(get_grad_norm_fp32([g, torch.ones(3)], grad_stats_parallel_group=None) / (2.0 + 3.0) ** 0.5 - 1) < 1e-6
 from torch.distributed.device_mesh import DeviceMesh
 assert DeviceMesh.from_group(dist.group.WORLD, "cuda").device_type == "cpu"
 import megatron.core.distributed.fsdp.mcore_fsdp_adapter as adapter

@@ -25,18 +25,20 @@ apply_cpu_backend() (cpu_backend.py), order `CPU_BACKEND`:
   8. tensor_record_stream_is_noop         Tensor.record_stream -> no-op
   9. tensor_type_reports_cuda             Tensor.type() -> "torch.cuda.*Tensor" (megatron-core's optimizer checks it)
  10. device_mesh_from_group_on_cpu        DeviceMesh.from_group(..., "cuda") -> a CPU mesh
- 11. moe_alltoall_splits_as_numpy         (moe.py) the MoE alltoall dispatcher's split sizes -> numpy, as on a GPU
- 12. moe_uneven_gather_scatter_on_gloo    (moe.py) uneven all-gather/reduce-scatter (alltoall dispatcher, ETP > 1) on gloo
- 13. cuda_device_arguments_to_cpu         a process-wide TorchFunctionMode: device="cuda"/index -> "cpu"
- 14. cuda_device_arguments_to_cpu_in_backward   the same mode inside custom autograd Functions' backward
+ 11. precise_grad_norm_on_cpu             the gradient norm (logged, clipping) accumulated in float64 on the CPU
+ 12. moe_alltoall_splits_as_numpy         (moe.py) the MoE alltoall dispatcher's split sizes -> numpy, as on a GPU
+ 13. moe_uneven_gather_scatter_on_gloo    (moe.py) uneven all-gather/reduce-scatter (alltoall dispatcher, ETP > 1) on gloo
+ 14. cuda_device_arguments_to_cpu         a process-wide TorchFunctionMode: device="cuda"/index -> "cpu"
+ 15. cuda_device_arguments_to_cpu_in_backward   the same mode inside custom autograd Functions' backward
   Why this order: all of them must be in place before megatron-core builds anything (process groups,
   model_parallel_cuda_manual_seed, models), so initialize() applies them before init_process_group.
   The RNG redirects (3, 4) come before the tracker's warning filter (5), which is only right once the
   "CUDA" generator is the CPU one. Tensor.type (9) and DeviceMesh.from_group (10) wrap upstream's
-  originals, which the registry keeps, so re-applying never wraps a wrapper. The MoE patches (11, 12) act
-  only on models with megatron-core MoE layers (--num-experts). The TorchFunctionMode (13) comes last but one:
-  it intercepts every torch call from then on, so the patching itself runs under plain torch; the autograd
-  engine runs backward without it, so 14 (which needs 13's mode) re-enters it there.
+  originals, which the registry keeps, so re-applying never wraps a wrapper; 11 is independent of the others.
+  The MoE patches (12, 13) act only on models with megatron-core MoE layers (--num-experts). The
+  TorchFunctionMode (14) comes last but one: it intercepts every torch call from then on, so the patching
+  itself runs under plain torch; the autograd engine runs backward without it, so 15 (which needs 14's mode)
+  re-enters it there.
 
 apply_megatron_fsdp_fixes() (megatron_fsdp.py), order `MEGATRON_FSDP`:
   1. dp_tp_mesh_from_groups       FSDP adapter's (dp, tp) mesh from the real groups (PP > 1)
@@ -63,6 +65,8 @@ Called at their call sites (not applied globally):
   optimizer.py     replace_torch_optimizer (LAMB into megatron-core's wrappers), use_fused_adam (GPU)
   adam_state.py    fill_empty_adam_state, restore_adam_step, steps_on_param_device (checkpointing)
   megatron_fsdp.py use_distributed_params, copy_main_to_model_params, prepare_uneven_dtensor_state (ZeRO-2 checkpoints)
+  post_layernorm.py post_layernorm_transformer_layer, drop_final_layernorm, norm_before_embedding_dropout
+                   (BERT's post-LN, models/bert.py)
 
 Adding a workaround
 -------------------
@@ -93,7 +97,7 @@ import logging
 import torch
 
 from . import (adam_state, cpu_backend, megatron_fsdp, moe, onnx_runtime, optimizer,  # noqa: F401  (registers their patches)
-               safe_loading)
+               post_layernorm, safe_loading)
 from .registry import PATCHES, Patch
 from .versions import TESTED, UntestedVersionWarning, check_versions
 
@@ -114,6 +118,7 @@ CPU_BACKEND = (
     cpu_backend.tensor_record_stream_is_noop,
     cpu_backend.tensor_type_reports_cuda,
     cpu_backend.device_mesh_from_group_on_cpu,
+    cpu_backend.precise_grad_norm_on_cpu,
     moe.moe_alltoall_splits_as_numpy,
     moe.moe_uneven_gather_scatter_on_gloo,
     cpu_backend.cuda_device_arguments_to_cpu,

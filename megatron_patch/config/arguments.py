@@ -20,14 +20,21 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (--help lists every flag)")
 
 
-def build_parser() -> argparse.ArgumentParser:
+# BERT-only settings -> their flags (refused by the GPT entry point, which has no use for them)
+BERT_FLAGS = {"bert_binary_head": "--bert-no-binary-head", "mask_prob": "--mask-prob",
+              "short_seq_prob": "--short-seq-prob"}
+MODELS = {"gpt": "a GPT/Llama-family model", "bert": "a BERT model (masked LM + next-sentence prediction)"}
+
+
+def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
     p = _Parser(
-        description="Pretrain a GPT/Llama-family model with megatron-core (TP/PP/DP, ZeRO-1, bf16/fp16).",
+        description=f"Pretrain {MODELS[model]} with megatron-core (TP/PP/DP, ZeRO-1, bf16/fp16).",
         argument_default=argparse.SUPPRESS,  # only flags given on the command line override presets/defaults
         allow_abbrev=False,
     )
     g = p.add_argument_group("model")
-    g.add_argument("--model-family", choices=list(FAMILIES), help="architecture preset: gpt (GPT-2), llama, qwen2, mistral")
+    g.add_argument("--model-family", choices=list(FAMILIES),
+                   help="architecture preset: gpt (GPT-2), llama, qwen2, mistral; bert (pretrain_megatron_bert.py)")
     g.add_argument("--model-size", help="size preset of the family: " + "; ".join(f"{f}: {', '.join(s)}" for f, s in SIZES.items()))
     for name, typ in [("num-layers", int), ("hidden-size", int), ("num-attention-heads", int), ("num-query-groups", int),
                       ("ffn-hidden-size", int), ("kv-channels", int), ("seq-length", int), ("max-position-embeddings", int), ("rotary-base", int),
@@ -56,6 +63,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-token-drop-policy", choices=["probs", "position"])
     for name in ("moe-router-pre-softmax", "moe-pad-expert-input-to-capacity", "moe-per-layer-logging"):
         g.add_argument(f"--{name}", action="store_true")
+
+    g = p.add_argument_group("BERT (pretrain_megatron_bert.py)")
+    g.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_false",
+                   help="masked LM only: no pooler, next-sentence head or loss (the data then needs no sentence pairs)")
+    g.add_argument("--mask-prob", type=float, help=f"share of tokens to predict (default {_D.mask_prob})")
+    g.add_argument("--short-seq-prob", type=float,
+                   help=f"share of samples made shorter than --seq-length (default {_D.short_seq_prob})")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", help="prefix, or 'weight prefix weight prefix ...' to blend")
@@ -118,13 +132,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def parse_args(argv: Optional[List[str]] = None) -> Config:
-    """Flags -> Config: defaults, then the family/size preset, then the flags given."""
-    given = vars(build_parser().parse_args(argv))
+def parse_args(argv: Optional[List[str]] = None, model: str = "gpt") -> Config:
+    """Flags -> Config: defaults, then the family/size preset, then the flags given. `model` is the entry
+    point's kind: "gpt" (pretrain_megatron_gpt.py) or "bert" (pretrain_megatron_bert.py, always --model-family bert)."""
+    given = vars(build_parser(model).parse_args(argv))
     values = {}
     family = given.get("model_family")
-    if family is None and "model_size" in given:
-        family = "gpt"
+    if model == "bert":
+        if family not in (None, "bert"):
+            raise ConfigError(f"--model-family {family}: pretrain_megatron_bert.py trains BERT; {family} trains with "
+                              f"pretrain_megatron_gpt.py (pretrain_scripts/run_gpt.sh)")
+        # As if given: a checkpoint of another family in --load is then refused, not silently trained as BERT.
+        family = given["model_family"] = "bert"
+        given.setdefault("tokenizer_type", "BertWordPieceLowerCase")  # Megatron-LM's pretrain_bert.py default
+    else:
+        if family == "bert":
+            raise ConfigError("--model-family bert trains with pretrain_megatron_bert.py (pretrain_scripts/run_bert.sh), "
+                              "not with this GPT entry point")
+        bert_only = [flag for key, flag in BERT_FLAGS.items() if key in given]
+        if bert_only:
+            raise ConfigError(f"{', '.join(bert_only)} applies to BERT pretraining: use pretrain_megatron_bert.py "
+                              f"(pretrain_scripts/run_bert.sh)")
+        if family is None and "model_size" in given:
+            family = "gpt"
     if family is not None:
         try:
             values.update(preset(family, given.get("model_size")))

@@ -42,6 +42,7 @@ class Config:
     # Rows of the embedding after padding, when a checkpoint fixes them (else derived, see models.gpt)
     padded_vocab_size: Optional[int] = None
     attention_backend: str = "auto"  # auto (te if importable, else sdpa) | sdpa | local | te
+    bert_binary_head: bool = True  # BERT: pooler + next-sentence head (Megatron-LM's --bert-no-binary-head turns it off)
     init_layout_invariant: bool = False
     # ---- mixture of experts (megatron-core MoELayer; None = dense MLP)
     num_experts: Optional[int] = None
@@ -57,6 +58,9 @@ class Config:
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_drop_policy: str = "probs"  # probs | position
     moe_per_layer_logging: bool = False
+    # ---- BERT pretraining (pretrain_megatron_bert.py; Megatron-LM's names and defaults; bert_binary_head above)
+    mask_prob: float = 0.15  # share of tokens the masked-LM objective predicts
+    short_seq_prob: float = 0.1  # share of samples cut shorter than --seq-length
 
     # ---- data
     data_path: List[str] = field(default_factory=list)

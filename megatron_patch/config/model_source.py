@@ -11,10 +11,11 @@ from .config import ConfigError
 ARCHITECTURE = ("model_family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                 "ffn_hidden_size", "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
                 "normalization", "norm_epsilon", "swiglu", "openai_gelu", "untie_embeddings_and_output_weights",
-                "disable_bias_linear", "add_qkv_bias", "model_vocab_size", "padded_vocab_size",
+                "disable_bias_linear", "add_qkv_bias", "model_vocab_size", "padded_vocab_size", "bert_binary_head",
                 # mixture of experts: which layers have experts, how many, their width and routing
                 "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_pre_softmax")
-FLAG = {"untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights"}
+FLAG = {"untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
+        "bert_binary_head": "--bert-no-binary-head"}
 
 
 def from_hf(path: str) -> Dict:
@@ -59,6 +60,8 @@ def merge(values: Dict, given: Dict, source: Dict, what: str, apply_other: bool 
         if key in given:
             if key in ARCHITECTURE and value is not None and given[key] != value:
                 flag = FLAG.get(key, "--" + key.replace("_", "-"))
+                if key == "bert_binary_head":  # a switch that turns a head off: say it in words, not True/False
+                    raise ConfigError(f"{flag} contradicts {what}, which has the next-sentence head: drop the flag")
                 raise ConfigError(f"{flag} {given[key]} contradicts {what}, which says {value}: drop the flag "
                                   f"(the architecture comes from {what})")
         elif key in ARCHITECTURE or apply_other:

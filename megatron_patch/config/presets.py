@@ -16,6 +16,10 @@ FAMILIES: Dict[str, Dict[str, object]] = {
     "mistral": dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm",
                     untie_embeddings_and_output_weights=True, disable_bias_linear=True, norm_epsilon=1e-5,
                     hidden_dropout=0.0, attention_dropout=0.0),
+    # Hugging Face BERT: post-LayerNorm, exact GELU, tied output layer, 512 positions, eps 1e-12.
+    "bert": dict(position_embedding_type="learned_absolute", swiglu=False, normalization="LayerNorm",
+                 untie_embeddings_and_output_weights=False, disable_bias_linear=False, norm_epsilon=1e-12,
+                 max_position_embeddings=512),
 }
 
 # (num_layers, hidden_size, num_attention_heads, num_query_groups or None, ffn_hidden_size or None)
@@ -27,6 +31,7 @@ SIZES: Dict[str, Dict[str, tuple]] = {
     "qwen2": {"tiny": (2, 128, 4, 2, 352), "0.5b": (24, 896, 14, 2, 4864), "1.5b": (28, 1536, 12, 2, 8960),
               "7b": (28, 3584, 28, 4, 18944)},
     "mistral": {"tiny": (2, 128, 4, 2, 352), "7b": (32, 4096, 32, 8, 14336)},
+    "bert": {"tiny": (2, 128, 4, None, None), "base": (12, 768, 12, None, None), "large": (24, 1024, 16, None, None)},
 }
 
 

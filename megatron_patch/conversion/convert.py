@@ -31,7 +31,7 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--load-dir", required=True, help="source: a Hugging Face directory, or an engine checkpoint "
                    "(a --save directory or one iter_XXXXXXX in it)")
     p.add_argument("--save-dir", required=True, help="destination directory (must be empty or absent)")
-    p.add_argument("--model-family", default="auto", choices=["auto", "gpt2", "gpt", "llama", "qwen2", "mistral"],
+    p.add_argument("--model-family", default="auto", choices=["auto", "gpt2", "gpt", "llama", "qwen2", "mistral", "bert"],
                    help="auto: config.json's model_type (hf2mcore) or the checkpoint's family (mcore2hf)")
     p.add_argument("--target-tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
@@ -187,6 +187,8 @@ def mcore2hf(a: argparse.Namespace) -> int:
                                  f"does not use {', '.join(extra[:3])}: converting would drop them"))
     # a converted model keeps its original config.json; an engine-native one gets its tokenizer's end of document
     hf_config = dict(info.get("hf_config") or family.hf_config(cfg, vocab, _end_of_document(cfg, vocab)))
+    if hasattr(family, "export_config"):  # e.g. BERT: the export has heads a bare BertModel original lacked
+        hf_config = family.export_config(hf_config, cfg)
     name = a.dtype if a.dtype != "auto" else {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
         info.get("hf_dtype") or "", "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32")
     dtype = getattr(torch, DTYPES[name])

@@ -4,7 +4,9 @@ TP/PP/VPP layout, with no intermediate files. Each parameter is built in full by
 
 Coverage is checked, not assumed: every parameter starts as NaN and must be written; every Hugging
 Face tensor must be used by some rule (or be a known buffer); and across all ranks every rule of the
-table must have found its parameter."""
+table must have found its parameter. Optional parts of the model that the checkpoint lacks entirely
+(BERT's MLM/NSP heads in a bare `BertModel`) are initialised instead, layout-invariantly, and reported;
+tensors of optional parts the model does not build are dropped and reported."""
 from __future__ import annotations
 
 import math
@@ -14,11 +16,12 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch.models.gpt import padded_vocab_size
-from megatron_patch.models.partition import global_name, local_shard
+from megatron_patch.models.init import initial_tensor
+from megatron_patch.models.partition import global_name, global_shape, local_shard
 
 from . import tables
 from .hf_io import HFCheckpointReader, read_hf_config
-from .mapping import ConversionError, check_coverage, dims, options, to_mcore
+from .mapping import ConversionError, absent_parts, check_coverage, dims, options, to_mcore
 
 
 def hf_reader(hf_dir: str, family) -> "callable":
@@ -33,10 +36,12 @@ def hf_reader(hf_dir: str, family) -> "callable":
 
 @torch.no_grad()
 def load_global_weights(chunks: List[torch.nn.Module], cfg, get: Callable[[str], torch.Tensor], expected: Iterable[str],
-                        where: str) -> int:
-    """Fill every parameter of this rank's unwrapped GPTModel `chunks` with its slice of the global tensor
-    `get(global name)`; every name in `expected` must land in some rank's parameter. Collective."""
-    expected = set(expected)
+                        where: str, initialise: Iterable[str] = ()) -> int:
+    """Fill every parameter of this rank's unwrapped GPTModel/BertModel `chunks` with its slice of the global
+    tensor `get(global name)`, or for names in `initialise` of models.init.initial_tensor (seeded by the name:
+    the same in every layout); every name in `expected` must land in some rank's parameter. Collective."""
+    initialise = set(initialise)
+    expected = set(expected) | initialise
     applied = set()
     for chunk in chunks:
         params = list(chunk.named_parameters())
@@ -47,7 +52,9 @@ def load_global_weights(chunks: List[torch.nn.Module], cfg, get: Callable[[str],
             if gname not in expected:
                 raise ConversionError(f"the model's parameter {gname} is not in {where}: the engine built a part "
                                       f"this checkpoint does not have")
-            shard = local_shard(get(gname), p, gname, cfg.swiglu)
+            full = initial_tensor(gname, global_shape(p, gname), cfg.seed, cfg.init_method_std) \
+                if gname in initialise else get(gname)
+            shard = local_shard(full, p, gname, cfg.swiglu)
             if shard.shape != p.shape:
                 raise ConversionError(f"{where} gives {gname} the shape {tuple(shard.shape)} on this rank, the model "
                                       f"has {tuple(p.shape)}: the configuration and the weights disagree")
@@ -65,14 +72,36 @@ def load_global_weights(chunks: List[torch.nn.Module], cfg, get: Callable[[str],
     return len(applied)
 
 
-def load_hf_weights(chunks: List[torch.nn.Module], cfg, hf_dir: str) -> Dict[str, int]:
-    """Fill the unwrapped GPTModel `chunks` of this rank from the Hugging Face directory `hf_dir`. Collective."""
+def load_hf_weights(chunks: List[torch.nn.Module], cfg, hf_dir: str) -> Dict:
+    """Fill the unwrapped model `chunks` of this rank from the Hugging Face directory `hf_dir`. Collective.
+    Returns {"tensors": read, "parameters": filled, "initialised": {part: [its global names]},
+    "dropped": [Hugging Face names of parts the model does not build]}."""
     config = read_hf_config(hf_dir)
     family = tables.for_model_type(config.get("model_type", ""))
     names, read = hf_reader(hf_dir, family)
     vocab = cfg.model_vocab_size
     d = dims(cfg, vocab, padded_vocab_size(vocab, cfg))
-    rules = {r.mcore: r for r in family.TABLE.expand(options(cfg), cfg.num_layers)}
-    check_coverage(family.TABLE, list(rules.values()), names, where=hf_dir)
-    n = load_global_weights(chunks, cfg, lambda g: to_mcore(rules[g], read, d), rules, f"{hf_dir} ({family.TABLE.family} table)")
-    return {"tensors": len(names), "parameters": n}
+    opts = options(cfg)
+    every = family.TABLE.expand(opts, cfg.num_layers)
+    absent = absent_parts(every, names)
+    initialise = {r.mcore for rs in absent.values() for r in rs}
+    rules = {r.mcore: r for r in every if r.mcore not in initialise}
+    present = set(names)
+    dropped = sorted(h for r in family.TABLE.unbuilt(opts, cfg.num_layers) for h in r.hf if h in present)
+    check_coverage(family.TABLE, list(rules.values()), [n for n in names if n not in dropped], where=hf_dir)
+    n = load_global_weights(chunks, cfg, lambda g: to_mcore(rules[g], read, d), rules,
+                            f"{hf_dir} ({family.TABLE.family} table)", initialise=initialise)
+    return {"tensors": len(names) - len(dropped), "parameters": n, "dropped": dropped,
+            "initialised": {p: [r.mcore for r in rs] for p, rs in absent.items()}}
+
+
+def describe_load(loaded: Dict, hf_dir: str) -> List[str]:
+    """The lines that report a --load-hf / hf2mcore load: what was read, initialised and dropped."""
+    lines = [f"loaded {loaded['tensors']} Hugging Face tensors from {hf_dir}"]
+    for part, mcore in loaded.get("initialised", {}).items():
+        lines.append(f"{hf_dir} has no {part}: initialised {len(mcore)} tensor(s) ({', '.join(mcore)}) with "
+                     f"N(0, init_method_std) weights, unit norms and zero biases")
+    if loaded.get("dropped"):
+        lines.append(f"dropped {len(loaded['dropped'])} tensor(s) of parts the model does not build: "
+                     f"{', '.join(loaded['dropped'])}")
+    return lines

@@ -5,7 +5,10 @@ Names: Hugging Face names are those of the checkpoint files; megatron-core names
 of the unwrapped GPTModel's state dict (`decoder.layers.{i}.` with the global layer number), whatever
 the TP/PP layout (megatron_patch.conversion.shard cuts them to a rank's slice). `{i}` runs over layers.
 A rule can depend on an option of the model (`when`): tied or untied output layer, biases, learned
-position embeddings, LayerNorm (with bias) or RMSNorm.
+position embeddings, LayerNorm (with bias) or RMSNorm, BERT's binary head. A rule can belong to an optional
+`part` of the model (BERT's MLM head, pooler, NSP head): a Hugging Face checkpoint without any tensor of
+the part is still converted, the part being initialised (and reported) instead of read; a part the model
+does not build (its rules' `when` is false) has its Hugging Face tensors dropped (and reported).
 """
 from __future__ import annotations
 
@@ -44,10 +47,11 @@ class Rule:
     hf: Tuple[str, ...]
     transform: Transform = IDENTITY
     when: Optional[str] = None  # a model option (see `options`) that must be true for the rule to apply
+    part: Optional[str] = None  # an optional part of the model (module docstring)
 
     def at(self, i: int) -> "Rule":
         return Rule(self.mcore.replace("{i}", str(i)), tuple(h.replace("{i}", str(i)) for h in self.hf),
-                    self.transform, self.when)
+                    self.transform, self.when, self.part)
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,24 @@ class Table:
             out.extend(r.at(i) for i in range(num_layers)) if "{i}" in r.mcore else out.append(r)
         return out
 
+    def unbuilt(self, options: Dict[str, bool], num_layers: int) -> List[Rule]:
+        """The rules of optional parts that this model does not build (their `when` is false)."""
+        return [r for r in self.expand({k: True for k in options}, num_layers)
+                if r.part is not None and r.when is not None and not options[r.when]]
+
     def ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.ignored_hf)
+
+
+def absent_parts(rules: Sequence[Rule], hf_names: Iterable[str]) -> Dict[str, List[Rule]]:
+    """part -> its rules, for each optional part of which the checkpoint has no tensor at all (a part with
+    some tensors present is not absent: check_coverage then names the missing ones)."""
+    present = set(hf_names)
+    parts: Dict[str, List[Rule]] = {}
+    for r in rules:
+        if r.part is not None:
+            parts.setdefault(r.part, []).append(r)
+    return {p: rs for p, rs in parts.items() if not any(h in present for r in rs for h in r.hf)}
 
 
 def options(cfg) -> Dict[str, bool]:
@@ -75,7 +95,7 @@ def options(cfg) -> Dict[str, bool]:
     bias = not cfg.disable_bias_linear
     return {"untied": cfg.untie_embeddings_and_output_weights, "bias": bias, "qkv_bias": bias or cfg.add_qkv_bias,
             "learned_positions": cfg.position_embedding_type == "learned_absolute",
-            "norm_bias": cfg.normalization == "LayerNorm"}
+            "norm_bias": cfg.normalization == "LayerNorm", "binary_head": getattr(cfg, "bert_binary_head", True)}
 
 
 def dims(cfg, vocab: int, padded_vocab: int) -> Dims:

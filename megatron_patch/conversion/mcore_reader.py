@@ -1,6 +1,7 @@
 """Reading an engine checkpoint as full (unsharded) tensors with global megatron-core names, one at a time.
 
-The names are those of the unwrapped GPTModel's state dict at TP1 PP1 with our layer spec, e.g.
+The names are those of the unwrapped GPTModel's (BertModel's: `encoder.layers.`) state dict at TP1 PP1 with
+our layer spec, e.g.
 `embedding.word_embeddings.weight`, `decoder.layers.3.self_attention.linear_qkv.weight`,
 `decoder.layers.3.input_layernorm.weight`, `decoder.final_layernorm.weight`, `output_layer.weight`
 (only when the output layer is untied); no `_extra_state`. Tensors keep megatron-core's TP-independent
@@ -43,11 +44,11 @@ from megatron_patch.training.checkpoint.directory import CheckpointError
 from .mapping import TensorIndex
 
 TORCH_DIST, FSDP_DTENSOR = "torch_dist", "fsdp_dtensor"
-STACKED = "decoder.layers."
+STACKED = ("decoder.layers.", "encoder.layers.")  # GPTModel's, BertModel's
 # dist_checkpointing names our spec's norms after Transformer Engine's fused norm+linear modules
 TE_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
             "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+_LAYER = re.compile(r"^((?:decoder|encoder)\.layers\.)(\d+)\.(.+)$")
 
 
 def local_norm_name(name: str) -> str:
@@ -188,7 +189,7 @@ class MegatronCheckpointReader(TensorIndex):  # keys(): embedding, layers 0..L-1
                 name = key[len("model."):]
                 m = _LAYER.match(name)
                 if m:
-                    name = f"decoder.layers.{m.group(1)}.{local_norm_name(m.group(2))}"
+                    name = f"{m.group(1)}{m.group(2)}.{local_norm_name(m.group(3))}"
                 where[name] = (key, None)
             elif key.startswith("optimizer."):
                 continue
@@ -196,9 +197,10 @@ class MegatronCheckpointReader(TensorIndex):  # keys(): embedding, layers 0..L-1
                 if md.size[0] != self.num_layers:
                     raise CheckpointError(f"{self.path}: {key} stacks {md.size[0]} layers, the stored configuration "
                                           f"says num_layers={self.num_layers}; the checkpoint is inconsistent")
-                rest = local_norm_name(key[len(STACKED):])
+                stack = next(p for p in STACKED if key.startswith(p))
+                rest = local_norm_name(key[len(stack):])
                 for i in range(self.num_layers):
-                    where[f"decoder.layers.{i}.{rest}"] = (key, i)
+                    where[f"{stack}{i}.{rest}"] = (key, i)
             else:
                 where[key] = (key, None)
         if self.tied:
@@ -210,7 +212,7 @@ class MegatronCheckpointReader(TensorIndex):  # keys(): embedding, layers 0..L-1
         return dict(sorted(where.items(), key=lambda kv: _order(kv[0])))
 
     def _check_layers(self, where: Dict) -> None:
-        layers = {int(m.group(1)) for m in map(_LAYER.match, where) if m}
+        layers = {int(m.group(2)) for m in map(_LAYER.match, where) if m}
         if layers and layers != set(range(self.num_layers)):
             raise CheckpointError(f"{self.path}: the checkpoint has layers {sorted(layers)}, the stored configuration "
                                   f"says num_layers={self.num_layers}; the checkpoint is incomplete or inconsistent")
@@ -255,9 +257,10 @@ def _order(name: str) -> Tuple:
     leaf_rank = {"weight": 0, "bias": 1}.get(leaf, 2)
     m = _LAYER.match(module + ".")
     if m:
-        rest = m.group(2)
-        part = next((i for i, p in enumerate(("input_layernorm.", "self_attention.", "pre_mlp_layernorm.", "mlp."))
-                     if rest.startswith(p)), 4)
-        return 1, int(m.group(1)), part, rest, leaf_rank, leaf
-    group = 0 if name.startswith("embedding.") else 3 if name.startswith("output_layer.") else 2
+        rest = m.group(3)
+        steps = ("input_layernorm.", "self_attention.", "post_attention_layernorm.", "pre_mlp_layernorm.", "mlp.",
+                 "post_mlp_layernorm.")
+        part = next((i for i, p in enumerate(steps) if rest.startswith(p)), len(steps))
+        return 1, int(m.group(2)), part, rest, leaf_rank, leaf
+    group = 0 if name.startswith("embedding.") else 3 if name.startswith(("output_layer.", "lm_head.")) else 2
     return group, 0, 0, "", leaf_rank, ""  # ties keep the checkpoint's order (word before position embeddings)

@@ -4,7 +4,7 @@
   hf2mcore     build the model in the target layout, load the Hugging Face weights into it (the same
                shim as --load-hf), write an engine checkpoint with the weights only
   verify       build the model (fp32, --tp/--pp layout) from an engine checkpoint's tensors and compare
-               its logits with a Hugging Face directory's
+               its logits (BERT: hidden states and heads) with a Hugging Face directory's
 
 `python -m megatron_patch.conversion.worker {hf2mcore|verify} ...` (not meant to be run by hand).
 """
@@ -87,8 +87,11 @@ def verify_checkpoint(args) -> int:
                          f"dtype of the export")
         get = lambda name: reader.get(name).to(getattr(torch, args.dtype))  # noqa: E731
     load_global_weights(model, cfg, get, reader.keys(), args.load_dir)
-    hf = _hf_model(args.hf_dir) if _is_reporting_rank() else None
-    ok = verify(model, hf, cfg.model_vocab_size, cfg.seq_length, debug=args.debug, log=print_rank_0)
+    load_hf, check = _hf_model, verify
+    if cfg.model_family == "bert":  # an encoder: hidden states and the heads both sides have (verify_bert.py)
+        from megatron_patch.conversion.verify_bert import hf_bert_model as load_hf, verify_bert as check
+    hf = load_hf(args.hf_dir) if _is_reporting_rank() else None
+    ok = check(model, hf, cfg.model_vocab_size, cfg.seq_length, debug=args.debug, log=print_rank_0)
     return 0 if ok else 3
 
 

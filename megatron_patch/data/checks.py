@@ -193,3 +193,29 @@ def check_split_sizes(prefixes: Sequence[str], split: str) -> None:
                     f"{bin_path(p)}: --split {split} leaves the {name} split of its {len(lengths)} sequences "
                     f"({end - beg} of them, sequences {beg}..{end}) without tokens; give that split a weight "
                     f"of 0 (e.g. --split 99,1,0), raise its share, or use more data")
+
+
+def check_bert_documents(prefixes: Sequence[str], split: str, binary_head: bool = True) -> None:
+    """Every split with a weight in --split must hold a document BERT can sample from: two or more sentences
+    for next-sentence prediction (one with --bert-no-binary-head). megatron-core's BERT dataset splits by
+    document and skips the others, so data tokenized without --split-sentences (one sequence per document)
+    would leave it nothing to sample."""
+    need = 2 if binary_head else 1
+    names = ("training", "validation", "test")
+    for p in prefixes:
+        sentences = np.diff(IndexedDataset(p).document_indices)  # sequences (sentences) per document
+        if binary_head and len(sentences) and not (sentences >= 2).any():
+            raise DataError(
+                f"{idx_path(p)}: every document is a single sequence, so next-sentence prediction has no sentence "
+                f"pairs; preprocess with tools/preprocess_data.py --split-sentences (its output is "
+                f"PREFIX_text_sentence), or pass --bert-no-binary-head")
+        for name, (lo, hi) in zip(names, _split_bounds(split)):
+            if hi <= lo:
+                continue
+            beg, end = int(round(lo * len(sentences))), int(round(hi * len(sentences)))
+            if not (sentences[beg:end] >= need).any():
+                what = "with two or more sentences" if binary_head else "with a sentence"
+                raise DataError(
+                    f"{idx_path(p)}: --split {split} gives the {name} split documents {beg}..{end} of "
+                    f"{len(sentences)}, none {what}; give that split a weight of 0 (e.g. --split 99,1,0), raise "
+                    f"its share, or use more data")

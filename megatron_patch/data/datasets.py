@@ -18,7 +18,7 @@ from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset, BERT
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-from .checks import DataError, check_split_sizes, check_token_ids, parse_data_path
+from .checks import DataError, check_bert_documents, check_split_sizes, check_token_ids, parse_data_path
 from .indexed_dataset import DATA_IMPLS, IndexedDataset
 
 __all__ = ["DataError", "build_bert_datasets", "build_gpt_datasets", "parse_data_path"]
@@ -56,6 +56,8 @@ def _build(dataset_cls, config_cls, data_path, tokenizer, seq_length, num_sample
     check_token_ids(blend[0], tokenizer.vocab_size, cache_dir)
     if dataset_cls is PatchGPTDataset:  # GPT splits by sequence (BERT by document)
         check_split_sizes(blend[0], split)
+    else:
+        check_bert_documents(blend[0], split, specific["classification_head"])
     config = config_cls(random_seed=seed, sequence_length=seq_length, blend=blend, split=split,
                         path_to_cache=cache_dir, tokenizer=tokenizer, **specific)
     config.data_impl = data_impl

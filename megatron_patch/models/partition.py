@@ -13,17 +13,18 @@ from megatron.core import parallel_state as mpu
 
 
 def global_name(name: str, module) -> str:
-    """`name` in `module` (an unwrapped GPTModel chunk) as the TP1/PP1/EP1 model would call it: global layer
+    """`name` in `module` (an unwrapped GPTModel or BertModel chunk) as the TP1/PP1/EP1 model would call it: global layer
     number, global expert number (an EP rank holds experts [rank * local, (rank + 1) * local) of each MoE
     layer as local_experts.0, 1, ...), and a tied output layer named after the embedding it copies."""
-    m = re.search(r"decoder\.layers\.(\d+)\.", name)
+    m = re.search(r"(decoder|encoder)\.layers\.(\d+)\.", name)  # GPTModel's decoder, BertModel's encoder
     if m:
-        layer = module.decoder.layers[int(m.group(1))]
+        stack = m.group(1)
+        layer = getattr(module, stack).layers[int(m.group(2))]
         e = re.search(r"\.mlp\.experts\.local_experts\.(\d+)\.", name)
         if e:
             expert = layer.mlp.local_expert_indices[int(e.group(1))]
             name = name.replace(e.group(0), f".mlp.experts.local_experts.{expert}.")
-        name = name.replace(m.group(0), f"decoder.layers.{layer.layer_number - 1}.")
+        name = name.replace(m.group(0), f"{stack}.layers.{layer.layer_number - 1}.")
     if name == "output_layer.weight" and getattr(module, "share_embeddings_and_output_weights", False):
         name = "embedding.word_embeddings.weight"
     return name

@@ -23,12 +23,15 @@ def check_data(cfg: Config) -> str:
     TokenizerError otherwise. Returns a one-line description for the launcher's summary."""
     if cfg.mock_data:
         return f"mock data (random ids below {cfg.vocab_size or 'the tokenizer vocabulary'})"
-    from megatron_patch.data.checks import check_split_sizes, check_token_ids, parse_data_path
+    from megatron_patch.data.checks import check_bert_documents, check_split_sizes, check_token_ids, parse_data_path
 
     prefixes, _ = parse_data_path(cfg.data_path)
     vocab = tokenizer_from_config(cfg).vocab_size
     largest = check_token_ids(prefixes, vocab, cfg.data_cache_path)
-    check_split_sizes(prefixes, cfg.split)
+    if cfg.model_family == "bert":  # BERT samples sentences of documents, GPT sequences
+        check_bert_documents(prefixes, cfg.split, cfg.bert_binary_head)
+    else:
+        check_split_sizes(prefixes, cfg.split)
     ids = f"largest token id {largest}" if largest >= 0 else "token ids fit by their dtype"
     return f"{len(prefixes)} file(s), {ids}, vocabulary {vocab}, --split {cfg.split}"
 

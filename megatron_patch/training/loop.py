@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,7 +20,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
 from megatron_patch.config import Config, ConfigError
-from megatron_patch.models import build_gpt_model, padded_vocab_size
+from megatron_patch.models import build_bert_model, build_gpt_model, padded_vocab_size
 from megatron_patch.models.init import layout_invariant_init
 from megatron_patch.parallel import initialize, print_rank_0
 
@@ -57,14 +57,21 @@ def model_info(cfg: Config, vocab: int) -> Dict:
     return info
 
 
+def build_model_chunk(cfg: Config, vocab_size: int, pre_process: bool, post_process: bool, vp_stage=None):
+    """One bare model chunk of the family: BERT (--model-family bert) or GPT (every other family)."""
+    if cfg.model_family == "bert":
+        return build_bert_model(cfg, vocab_size, pre_process, post_process, vp_stage, add_binary_head=cfg.bert_binary_head)
+    return build_gpt_model(cfg, vocab_size, pre_process, post_process, vp_stage)
+
+
 def build_model_chunks(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
-    """This rank's bare GPTModel chunks (one per virtual pipeline stage), initialised (or loaded from
-    --load-hf) and, with --compile, compiled."""
+    """This rank's bare model chunks (GPTModel, or BertModel for --model-family bert; one per virtual pipeline
+    stage), initialised (or loaded from --load-hf) and, with --compile, compiled."""
     vpp = cfg.virtual_pipeline_model_parallel_size
     chunks = []
     for vp in range(vpp or 1):
         stage = vp if vpp else None
-        chunk = build_gpt_model(
+        chunk = build_model_chunk(
             cfg, vocab_size,
             pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
             post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
@@ -74,10 +81,11 @@ def build_model_chunks(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
             layout_invariant_init(chunk, cfg.seed, cfg.init_method_std, cfg.swiglu)
         chunks.append(chunk)
     if cfg.load_hf:  # before the wrappers: fp16/bf16 copies, DDP buffers and FSDP shards start from these weights
-        from megatron_patch.conversion.load_hf import load_hf_weights
+        from megatron_patch.conversion.load_hf import describe_load, load_hf_weights
 
         loaded = load_hf_weights(chunks, cfg, cfg.load_hf)
-        print_rank_0(f"loaded {loaded['tensors']} Hugging Face tensors from --load-hf {cfg.load_hf}")
+        for line in describe_load(loaded, f"--load-hf {cfg.load_hf}"):
+            print_rank_0(line)
     if cfg.compile:
         for chunk in chunks:
             # Compile the forward only, so the module (its parameters, state-dict keys) stays the same object.
@@ -178,14 +186,16 @@ def no_loss(output_tensor):
     raise RuntimeError("internal: a loss function was called on a pipeline stage that is not the last")
 
 
-def _mean_loss(losses: List[Dict[str, torch.Tensor]]) -> float:
-    """Mean of the micro-batch losses over the global batch, known on every rank afterwards."""
-    t = torch.zeros(2, device=_device())
+def _mean_losses(losses: List[Dict[str, torch.Tensor]], keys: Sequence[str] = ("lm loss",)) -> Dict[str, float]:
+    """Mean of each reported loss (`keys`: "lm loss", and for BERT "sop loss") over the micro batches of the
+    global batch, known on every rank afterwards (only the last pipeline stage computes them)."""
+    t = torch.zeros(len(keys) + 1, device=_device())
     if mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0 and losses:
-        t[0] = sum(x["lm loss"].float() for x in losses)
-        t[1] = len(losses)
+        for i, key in enumerate(keys):
+            t[i] = sum(x[key].float() for x in losses)
+        t[-1] = len(losses)
     dist.all_reduce(t)
-    return (t[0] / t[1]).item() if t[1] > 0 else float("nan")
+    return {key: (t[i] / t[-1]).item() if t[-1] > 0 else float("nan") for i, key in enumerate(keys)}
 
 
 def count_parameters(model) -> int:
@@ -224,6 +234,12 @@ class CountingIterator:
 class Trainer:
     """Holds the state of one pretraining run; `train()` runs it."""
 
+    # The losses the forward step's loss function reports; the objective ("loss" in the metrics) is their
+    # sum, and with more than one each is also logged on its own (BERT: "lm loss" and "sop loss").
+    loss_keys: Sequence[str] = ("lm loss",)
+    # Which ranks _reads_data picks, in words (the log says it after the first step).
+    reads_where = "tensor-parallel rank 0 of the first and last pipeline stages"
+
     def __init__(self, cfg: Config) -> None:
         self.cfg = self._initialize(cfg)
         self.tokenizer = tokenizer_from_config(cfg)
@@ -245,6 +261,8 @@ class Trainer:
         self.moe_metrics = MoEMetrics(cfg, self.model) if cfg.num_experts else None
         self.fwd_bwd = get_forward_backward_func()
         self.history: List[Dict[str, float]] = []
+        self.loss_components: Dict[str, float] = {}  # of the last global batch (see _objective)
+        self.eval_components: Dict[str, float] = {}  # of the last evaluation
 
     # ---- the parts a template (megatron_patch.templates.pretrain_megatron) replaces -----------------------
     def _initialize(self, cfg: Config) -> Config:
@@ -284,9 +302,8 @@ class Trainer:
         t = torch.tensor([float(any(i is not None and i.count for i in its)),
                           float(sum(i.count for i in its if i is not None))], device=_device())
         dist.all_reduce(t)
-        print_rank_0(f"data: {int(t[0])} of {dist.get_world_size()} ranks read batches (tensor-parallel rank 0 of the "
-                     f"first and last pipeline stages; the others receive them or need none): {int(t[1])} micro "
-                     f"batches read in the first iteration")
+        print_rank_0(f"data: {int(t[0])} of {dist.get_world_size()} ranks read batches ({self.reads_where}; the "
+                     f"others receive them or need none): {int(t[1])} micro batches read in the first iteration")
         self.reads_first_iteration = (int(t[0]), int(t[1]))
 
     def _run_batches(self, iterator, forward_only: bool):
@@ -307,11 +324,19 @@ class Trainer:
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=self.cfg.global_batch_size)
-        metrics = {"loss": _mean_loss(losses), "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"),
-                   "skipped": float(not ok), "lr": lr, "loss_scale": self._loss_scale()}
+        metrics = {"loss": self._objective(losses),
+                   "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "skipped": float(not ok), "lr": lr, "loss_scale": self._loss_scale()}
+        metrics.update(self.loss_components)
         if self.moe_metrics is not None:
             metrics.update(self.moe_metrics.report(self.cfg.num_microbatches, self.state.iteration + 1))
         return metrics
+
+    def _objective(self, losses: List[Dict[str, torch.Tensor]]) -> float:
+        """The global batch's objective (sum of the reported losses); sets `loss_components` to each of them by
+        its metrics name ("lm_loss", "sop_loss") when there is more than one, else to {}."""
+        means = _mean_losses(losses, self.loss_keys)
+        self.loss_components = {k.replace(" ", "_"): v for k, v in means.items()} if len(means) > 1 else {}
+        return sum(means.values())
 
     def _loss_scale(self) -> float:
         """The loss scale after this step's update (fp16 dynamic scaling lowers it on a skipped step)."""
@@ -322,13 +347,16 @@ class Trainer:
         """Mean loss of the next `iters` global batches of `iterator` (forward only)."""
         for m in self.model:
             m.eval()
-        total = 0.0
+        total, components = 0.0, {}
         for _ in range(iters):
-            total += _mean_loss(self._run_batches(iterator, forward_only=True))
+            total += self._objective(self._run_batches(iterator, forward_only=True))
+            for k, v in self.loss_components.items():
+                components[k] = components.get(k, 0.0) + v / iters
         for m in self.model:
             m.train()
         if self.moe_metrics is not None:
             self.moe_metrics.clear()
+        self.eval_components = components  # the reporter logs them with the evaluation
         return total / iters
 
     def _describe(self) -> str:
@@ -382,7 +410,7 @@ class Trainer:
                 reporter.log(metrics, time.time() - t0, since)
                 t0, since = time.time(), 0
             if self.validator.should_run(state.iteration):
-                reporter.validation(state.iteration, self.validator.run(state))
+                reporter.validation(state.iteration, self.validator.run(state), components=self.eval_components)
                 t0 = time.time()
             stopping = bool(cfg.exit_interval and state.iteration % cfg.exit_interval == 0)
             if self.checkpointer.should_save(state.iteration, stopping=stopping):
@@ -415,10 +443,11 @@ class Trainer:
         """--skip-train: the next validation batches (as the run would have evaluated them) and the test set."""
         cfg = self.cfg
         valid = self.validator.run(self.state) if self.valid_ds is not None and cfg.eval_iters > 0 else float("nan")
+        components = dict(self.eval_components)  # the test evaluation replaces them
         test = self.evaluate(self._iterators(self.test_ds, 0, cycle=True), cfg.eval_iters) \
             if self.test_ds is not None and cfg.eval_iters > 0 else float("nan")
         reporter = Reporter(cfg, self.num_params, self.state.iteration)
-        reporter.validation(self.state.iteration, valid, test)
+        reporter.validation(self.state.iteration, valid, test, components=components)
         reporter.close()
         result = {"iteration": self.state.iteration, "valid_loss": valid, "test_loss": test}
         self.history.append(result)

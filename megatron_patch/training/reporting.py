@@ -53,7 +53,9 @@ class Reporter:
         peak = peak_tflops()
         mem = f" | mem {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB" if torch.cuda.is_available() else ""
         mfu = f" | MFU {100 * per_gpu / peak:.1f}%" if peak else ""
-        line = (f"iteration {it:>6}/{cfg.train_iters} | loss {metrics['loss']:.4f} | lr {metrics['lr']:.3e} | "
+        parts = _components(metrics)  # BERT: the masked-LM and next-sentence ("sop") losses that make up `loss`
+        losses = "".join(f" | {k} {v:.4f}" for k, v in parts.items())
+        line = (f"iteration {it:>6}/{cfg.train_iters} | loss {metrics['loss']:.4f}{losses} | lr {metrics['lr']:.3e} | "
                 f"grad norm {metrics['grad_norm']:.3f} | loss scale {metrics['loss_scale']:g} | "
                 f"{1000 * seconds / iters:.0f} ms/iter | tokens/s {tps:,.0f} | TFLOP/s/GPU {per_gpu:.1f}{mfu}{mem}")
         moe = {k: v for k, v in metrics.items() if k.startswith("moe_") and isinstance(v, float)}
@@ -62,25 +64,45 @@ class Reporter:
             line += " | step skipped (inf/nan grads, loss scale lowered)"
         print_rank_0(line)
         if self.writer:
-            for k, v in (("lm loss", metrics["loss"]), ("learning-rate", metrics["lr"]), ("grad-norm", metrics["grad_norm"]),
-                         ("loss-scale", metrics["loss_scale"]), ("tokens-per-sec", tps), ("tflops-per-gpu", per_gpu)):
+            scalars = {**(parts or {"lm loss": metrics["loss"]}), "learning-rate": metrics["lr"],
+                       "grad-norm": metrics["grad_norm"], "loss-scale": metrics["loss_scale"], "tokens-per-sec": tps,
+                       "tflops-per-gpu": per_gpu}
+            for k, v in scalars.items():
                 self.writer.add_scalar(k, v, it)
             for k, v in moe.items():
                 self.writer.add_scalar(k.replace("moe_", "moe/", 1), v, it)
 
-    def validation(self, iteration: int, loss: float, test_loss: Optional[float] = None) -> None:
+    def validation(self, iteration: int, loss: float, test_loss: Optional[float] = None,
+                   components: Optional[Dict[str, float]] = None) -> None:
+        """`components`: the losses that make up `loss` when there are several (BERT: lm_loss, sop_loss)."""
         record = {"iteration": iteration, "valid_loss": loss}
-        text = f"validation at iteration {iteration} | lm loss {loss:.6f} | ppl {math.exp(min(loss, 50)):.2f}"
+        parts = _components(components or {})
+        if parts:
+            lm = parts.get("lm loss", loss)
+            text = (f"validation at iteration {iteration} | loss {loss:.6f}"
+                    + "".join(f" | {k} {v:.6f}" for k, v in parts.items()) + f" | lm ppl {math.exp(min(lm, 50)):.2f}")
+            record.update({f"valid_{k}": v for k, v in (components or {}).items()})
+        else:
+            text = f"validation at iteration {iteration} | lm loss {loss:.6f} | ppl {math.exp(min(loss, 50)):.2f}"
         if test_loss is not None:
             record["test_loss"] = test_loss
-            text += f" | test lm loss {test_loss:.6f}"
+            text += f" | test {'' if parts else 'lm '}loss {test_loss:.6f}"
         self.record(record)
         print_rank_0(text)
         if self.writer:
-            self.writer.add_scalar("validation lm loss", loss, iteration)
+            for k, v in (parts or {"lm loss": loss}).items():
+                self.writer.add_scalar(f"validation {k}", v, iteration)
 
     def close(self) -> None:
         if self.bar:
             self.bar.close()
         if self.writer:
             self.writer.flush()
+
+
+LOSS_COMPONENTS = ("lm_loss", "sop_loss")  # BERT: masked LM, next sentence (Megatron-LM calls it "sop loss")
+
+
+def _components(metrics: Dict[str, float]) -> Dict[str, float]:
+    """The loss components in `metrics`, by their log names ("lm loss", "sop loss"); {} when there are none."""
+    return {k.replace("_", " "): metrics[k] for k in LOSS_COMPONENTS if k in metrics}

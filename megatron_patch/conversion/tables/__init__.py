@@ -1,15 +1,17 @@
 """One conversion table per model family. Adding a family: a module with TABLE, engine_args(config.json)
-and hf_config(engine config, vocab, end-of-document id), registered below under its Hugging Face model_type(s)."""
+and hf_config(engine config, vocab, end-of-document id), registered below under its Hugging Face model_type(s);
+optionally HF_PREFIX (a name prefix that bare base-model checkpoints omit) and export_config(config.json, engine
+config) (config.json of an export, from the original's)."""
 from __future__ import annotations
 
 from types import ModuleType
 from typing import Dict
 
 from ..mapping import ConversionError
-from . import gpt2, llama
+from . import bert, gpt2, llama
 
-BY_MODEL_TYPE: Dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama}
-ENGINE_FAMILY = {"gpt2": "gpt", "gpt": "gpt", "llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+BY_MODEL_TYPE: Dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama, "bert": bert}
+ENGINE_FAMILY = {"gpt2": "gpt", "gpt": "gpt", "llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "bert": "bert"}
 
 
 def for_model_type(model_type: str) -> ModuleType:
@@ -23,6 +25,8 @@ def for_engine(cfg) -> ModuleType:
     """The table of an engine model: by --model-family, else by its architecture (SwiGLU + RMSNorm + RoPE)."""
     g = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
     family = g("model_family")
+    if family == "bert":
+        return bert
     if family in ("gpt", "gpt2"):
         return gpt2
     if family in ("llama", "qwen2", "mistral"):
