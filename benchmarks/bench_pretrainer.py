@@ -13,6 +13,8 @@ Arms, each in its own subprocess (separate peak memory), bf16 autocast over fp32
     rf_bert_acc      the same batch as 4 micro batches of a quarter (gradient accumulation), fixed-shape
     rf_bert_dynamic  rf_bert_acc with --data-iterator dynamic-shape: each step's samples sorted by length into
                      its 4 micro batches, each cut to its longest sample (padding fraction reported)
+    engine_bert      pretrain_megatron_bert.py (megatron-core BertModel, post-LN, MLM + NSP), --model-family bert,
+                     bf16 weights, the same data, shape and batch
     trainer_bert     transformers.Trainer on the same samples (build_train_valid_test_datasets_for_huggingface),
                      bf16=True, adamw_torch_fused, the same batch
     rf_gpt           the how-to's Megatron GPT PreTrainer sample (examples/), --bf16
@@ -34,7 +36,7 @@ from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RAPIDFORMER = [sys.executable, "-m", "megatron_patch.cli.main"]  # the console script, also where it is not installed
-ALL_ARMS = ["trainer_bert", "rf_bert", "rf_bert_acc", "rf_bert_dynamic", "engine_gpt", "rf_gpt", "rf_gpt_fp16_zero2"]
+ALL_ARMS = ["trainer_bert", "engine_bert", "rf_bert", "rf_bert_acc", "rf_bert_dynamic", "engine_gpt", "rf_gpt", "rf_gpt_fp16_zero2"]
 
 
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -123,6 +125,10 @@ def command(a, arm: str, data: Dict[str, str], metrics: str) -> List[str]:
         return [sys.executable, os.path.abspath(__file__), "--trainer-child", metrics, *(["--tiny"] if a.tiny else []),
                 "--warmup", str(a.warmup), "--steps", str(a.steps), "--bert-batch", str(a.bert_batch),
                 "--bert-seq", str(a.bert_seq), "--out", a.out, "--vocab", data["vocab"]]
+    if arm == "engine_bert":
+        return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+                os.path.join(REPO, "pretrain_megatron_bert.py"), "--model-family", "bert",
+                *common_flags(a, data, "bert"), *bf16, "--metrics-file", metrics]
     gpt = common_flags(a, data, "gpt") + ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
     if arm == "engine_gpt":
         return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
@@ -236,7 +242,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 def table(a, results: Dict[str, Dict]) -> str:
     rows = ["| arm | samples/s | samples x seq /s | vs anchor | peak GiB | last loss | padding | wall s |", "|---" * 8 + "|"]
-    anchors = {"rf_bert": "trainer_bert", "rf_bert_acc": "trainer_bert", "rf_bert_dynamic": "rf_bert_acc",
+    anchors = {"rf_bert": "trainer_bert", "engine_bert": "trainer_bert", "rf_bert_acc": "trainer_bert", "rf_bert_dynamic": "rf_bert_acc",
                "rf_gpt": "engine_gpt",
                "rf_gpt_fp16_zero2": "engine_gpt"}
     for arm, r in results.items():
