@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from .config import Config, ConfigError
 from . import model_source
@@ -20,6 +21,29 @@ class _Parser(argparse.ArgumentParser):
         raise ConfigError(f"{message} (--help lists every flag)")
 
 
+def moe_layer_freq(text: str) -> Union[int, List[int]]:
+    """--moe-layer-freq as Megatron-LM takes it: N (every N-th layer has experts) or a 0/1 list per layer,
+    written out ("[0,1,1,1]") or as Megatron-LM's list expression ("([0]+[1]*3)*2"). The expression is
+    evaluated over int/list literals, + and * only (Megatron-LM calls eval; here nothing else runs)."""
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError
+    try:
+        out = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        out = None
+    if not (type(out) is int or (isinstance(out, list) and all(type(x) is int for x in out))):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither N nor a list of 0/1 per layer such as [0,1,1,1] or "
+                                         f"([0]+[1]*3)*2")
+    return out
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         description="Pretrain a GPT/Llama-family model with megatron-core (TP/PP/DP, ZeRO-1, bf16/fp16).",
@@ -27,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     g = p.add_argument_group("model")
-    g.add_argument("--model-family", choices=list(FAMILIES), help="architecture preset: gpt (GPT-2), llama, qwen2, mistral")
+    g.add_argument("--model-family", choices=list(FAMILIES), help="architecture preset: gpt (GPT-2), llama, qwen2, mistral, mixtral, "
+                   "qwen2_moe")
     g.add_argument("--model-size", help="size preset of the family: " + "; ".join(f"{f}: {', '.join(s)}" for f, s in SIZES.items()))
     for name, typ in [("num-layers", int), ("hidden-size", int), ("num-attention-heads", int), ("num-query-groups", int),
                       ("ffn-hidden-size", int), ("kv-channels", int), ("seq-length", int), ("max-position-embeddings", int), ("rotary-base", int),
@@ -47,8 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = p.add_argument_group("mixture of experts (megatron-core MoELayer)")
     g.add_argument("--num-experts", type=int, help="experts per MoE layer (default: a dense MLP)")
-    for name, typ in [("moe-router-topk", int), ("moe-ffn-hidden-size", int), ("moe-layer-freq", int),
-                      ("moe-aux-loss-coeff", float), ("moe-z-loss-coeff", float), ("moe-expert-capacity-factor", float),
+    for name, typ in [("moe-router-topk", int), ("moe-ffn-hidden-size", int), ("moe-layer-freq", moe_layer_freq),
+                      ("moe-shared-expert-intermediate-size", int), ("moe-aux-loss-coeff", float), ("moe-z-loss-coeff", float), ("moe-expert-capacity-factor", float),
                       ("expert-model-parallel-size", int), ("expert-tensor-parallel-size", int)]:
         g.add_argument(f"--{name}", type=typ, help=f"(default {getattr(_D, name.replace('-', '_'))})")
     g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
@@ -56,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--moe-token-drop-policy", choices=["probs", "position"])
     for name in ("moe-router-pre-softmax", "moe-pad-expert-input-to-capacity", "moe-per-layer-logging"):
         g.add_argument(f"--{name}", action="store_true")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="scale the shared expert's output by a sigmoid gate (Qwen2-MoE)")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", nargs="+", help="prefix, or 'weight prefix weight prefix ...' to blend")
