@@ -18,7 +18,7 @@ from megatron_patch.models.partition import global_name, local_shard
 
 from . import tables
 from .hf_io import HFCheckpointReader, read_hf_config
-from .mapping import ConversionError, check_coverage, dims, options, to_mcore
+from .mapping import ConversionError, check_coverage, dims, to_mcore
 
 
 def hf_reader(hf_dir: str, family) -> "callable":
@@ -72,7 +72,7 @@ def load_hf_weights(chunks: List[torch.nn.Module], cfg, hf_dir: str) -> Dict[str
     names, read = hf_reader(hf_dir, family)
     vocab = cfg.model_vocab_size
     d = dims(cfg, vocab, padded_vocab_size(vocab, cfg))
-    rules = {r.mcore: r for r in family.TABLE.expand(options(cfg), cfg.num_layers)}
+    rules = {r.mcore: r for r in family.TABLE.rules_for(cfg)}
     check_coverage(family.TABLE, list(rules.values()), names, where=hf_dir)
     n = load_global_weights(chunks, cfg, lambda g: to_mcore(rules[g], read, d), rules, f"{hf_dir} ({family.TABLE.family} table)")
     return {"tensors": len(names), "parameters": n}

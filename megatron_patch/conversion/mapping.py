@@ -3,9 +3,12 @@ of, and the transform between them. One engine (`to_mcore`, `to_hf`, `check_cove
 
 Names: Hugging Face names are those of the checkpoint files; megatron-core names are the *global* names
 of the unwrapped GPTModel's state dict (`decoder.layers.{i}.` with the global layer number), whatever
-the TP/PP layout (megatron_patch.conversion.shard cuts them to a rank's slice). `{i}` runs over layers.
+the TP/PP layout (megatron_patch.models.partition cuts them to a rank's slice). `{i}` runs over layers,
+`{e}` over the experts of a mixture-of-experts layer (global expert numbers, whatever the EP layout:
+`decoder.layers.{i}.mlp.experts.local_experts.{e}.`).
 A rule can depend on an option of the model (`when`): tied or untied output layer, biases, learned
-position embeddings, LayerNorm (with bias) or RMSNorm.
+position embeddings, LayerNorm (with bias) or RMSNorm, a shared expert; and on the kind of layer
+(`layers`): "moe" for the layers with experts, "dense" for the others (a model may mix them).
 """
 from __future__ import annotations
 
@@ -44,10 +47,11 @@ class Rule:
     hf: Tuple[str, ...]
     transform: Transform = IDENTITY
     when: Optional[str] = None  # a model option (see `options`) that must be true for the rule to apply
+    layers: Optional[str] = None  # "moe" / "dense": only layers with / without experts (None: every layer)
 
-    def at(self, i: int) -> "Rule":
-        return Rule(self.mcore.replace("{i}", str(i)), tuple(h.replace("{i}", str(i)) for h in self.hf),
-                    self.transform, self.when)
+    def at(self, i: int, key: str = "{i}") -> "Rule":
+        return Rule(self.mcore.replace(key, str(i)), tuple(h.replace(key, str(i)) for h in self.hf),
+                    self.transform, self.when, self.layers)
 
 
 @dataclass(frozen=True)
@@ -57,14 +61,23 @@ class Table:
     rules: Tuple[Rule, ...]
     ignored_hf: Tuple[str, ...] = ()  # regexes of Hugging Face tensors that carry no weights (buffers)
 
-    def expand(self, options: Dict[str, bool], num_layers: int) -> List[Rule]:
-        """The concrete rules of one model: options applied, `{i}` filled for every layer."""
+    def expand(self, options: Dict[str, bool], num_layers: int, moe_layers: Sequence[int] = (),
+               num_experts: int = 0) -> List[Rule]:
+        """The concrete rules of one model: options applied, `{i}` filled for every layer of the rule's kind
+        (`moe_layers`: the global numbers of the layers with experts), `{e}` for each of `num_experts`."""
+        kinds = {None: range(num_layers), "moe": sorted(moe_layers),
+                 "dense": [i for i in range(num_layers) if i not in set(moe_layers)]}
         out = []
         for r in self.rules:
             if r.when is not None and not options[r.when]:
                 continue
-            out.extend(r.at(i) for i in range(num_layers)) if "{i}" in r.mcore else out.append(r)
+            for layer in (r.at(i) for i in kinds[r.layers]) if "{i}" in r.mcore else [r]:
+                out.extend(layer.at(e, "{e}") for e in range(num_experts)) if "{e}" in r.mcore else out.append(layer)
         return out
+
+    def rules_for(self, cfg) -> List[Rule]:
+        """`expand` for the model of an engine Config."""
+        return self.expand(options(cfg), cfg.num_layers, cfg.moe_layers(), cfg.num_experts or 0)
 
     def ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.ignored_hf)
@@ -75,7 +88,10 @@ def options(cfg) -> Dict[str, bool]:
     bias = not cfg.disable_bias_linear
     return {"untied": cfg.untie_embeddings_and_output_weights, "bias": bias, "qkv_bias": bias or cfg.add_qkv_bias,
             "learned_positions": cfg.position_embedding_type == "learned_absolute",
-            "norm_bias": cfg.normalization == "LayerNorm"}
+            "norm_bias": cfg.normalization == "LayerNorm",
+            "shared_expert": bool(cfg.num_experts and cfg.moe_shared_expert_intermediate_size),
+            "shared_expert_gate": bool(cfg.num_experts and cfg.moe_shared_expert_intermediate_size
+                                       and cfg.moe_shared_expert_gate)}
 
 
 def dims(cfg, vocab: int, padded_vocab: int) -> Dims:
