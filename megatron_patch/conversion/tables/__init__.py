@@ -6,10 +6,12 @@ from types import ModuleType
 from typing import Dict
 
 from ..mapping import ConversionError
-from . import gpt2, llama
+from . import gpt2, llama, mixtral, qwen2_moe
 
-BY_MODEL_TYPE: Dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama}
-ENGINE_FAMILY = {"gpt2": "gpt", "gpt": "gpt", "llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+BY_MODEL_TYPE: Dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama,
+                                        "mixtral": mixtral, "qwen2_moe": qwen2_moe}
+ENGINE_FAMILY = {"gpt2": "gpt", "gpt": "gpt", "llama": "llama", "qwen2": "qwen2", "mistral": "mistral",
+                 "mixtral": "mixtral", "qwen2_moe": "qwen2_moe"}
 
 
 def for_model_type(model_type: str) -> ModuleType:
@@ -20,11 +22,16 @@ def for_model_type(model_type: str) -> ModuleType:
 
 
 def for_engine(cfg) -> ModuleType:
-    """The table of an engine model: by --model-family, else by its architecture (SwiGLU + RMSNorm + RoPE)."""
+    """The table of an engine model: by --model-family, else by its architecture (SwiGLU + RMSNorm + RoPE;
+    with experts: a shared expert makes it Qwen2-MoE, none Mixtral)."""
     g = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
     family = g("model_family")
     if family in ("gpt", "gpt2"):
         return gpt2
+    if family in ("mixtral", "qwen2_moe"):
+        return BY_MODEL_TYPE[family]
+    if g("num_experts") and g("swiglu") and g("normalization") == "RMSNorm":
+        return qwen2_moe if g("moe_shared_expert_intermediate_size") else mixtral
     if family in ("llama", "qwen2", "mistral"):
         return llama
     return llama if g("swiglu") and g("normalization") == "RMSNorm" else gpt2
