@@ -111,7 +111,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--load")
     g.add_argument("--load-hf", metavar="DIR",
                    help="start from a Hugging Face model directory (config.json + safetensors; GPT-2, Llama, Qwen2, "
-                        "Mistral): architecture from its config, weights loaded into any TP/PP layout")
+                        "Mistral, Mixtral, Qwen2-MoE): architecture from its config, weights loaded into any "
+                        "TP/PP/EP layout")
     g.add_argument("--tensorboard-dir")
     g.add_argument("--no-exit-on-nan", dest="exit_on_nan", action="store_false", help="keep going after a NaN/Inf loss")
     g.add_argument("--metrics-file", help="append one JSON line of metrics per iteration to this file (rank 0)")
