@@ -409,6 +409,32 @@ def _plant_experts_local_numbering():
     load_hf.global_name = global_name
 
 
+def _plant_experts_swapped_across_ep():
+    """An import that hands each EP rank another rank's block of experts (rank r gets rank EP-1-r's): every expert
+    is loaded somewhere, so no coverage check sees it; only in hf2mcore's own process, so --verify, which reads
+    the written checkpoint back correctly, compares the wrong model with transformers'."""
+    import re
+    import sys
+
+    from megatron_patch.conversion import load_hf
+
+    original = load_hf.global_name
+
+    def global_name(name, module):
+        full = original(name, module)
+        expert = re.search(r"\.local_experts\.(\d+)\.", full)
+        if not expert or "hf2mcore" not in sys.argv:
+            return full
+        from megatron.core import parallel_state as mpu
+
+        total = module.config.num_moe_experts
+        local = total // mpu.get_expert_model_parallel_world_size()
+        e = int(expert.group(1))
+        swapped = total - local * (e // local + 1) + e % local
+        return full.replace(expert.group(0), f".local_experts.{swapped}.")
+    load_hf.global_name = global_name
+
+
 def _transforms(fn):
     def apply():
         from megatron_patch.conversion import transforms
@@ -436,6 +462,7 @@ PLANTS: Dict[str, Callable[[], None]] = {
     # mixture of experts (tests/test_conversion_moe.py)
     "import_gate_up_swapped": _transforms(_plant_import_gate_up_swapped),
     "experts_local_numbering": _plant_experts_local_numbering,
+    "experts_swapped_across_ep": _plant_experts_swapped_across_ep,
     "verify_always_passes": _plant_verify_always_passes,
     "no_save_dir_check": _plant_no_save_dir_check,
     "no_unused_tensor_check": _plant_no_unused_tensor_check,

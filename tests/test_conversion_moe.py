@@ -12,8 +12,8 @@ max |logit difference| <= 1e-4 in fp32 and the same top-1 token.
    picks transformers' experts with transformers' weights; --moe-layer-freq lists; presets validate.
 2. The CLI (torchrun workers): hf2mcore --verify at EP 2 (and TP2 x EP2, TP2 x EP2 x ETP1, PP2 x EP2, EP1),
    mcore2hf back, every tensor bit for bit; fast: qwen2_moe at EP 2, the rest `make test-all`.
-3. Planted bugs (slow): Mixtral's w1/w3 swapped on import fails --verify; experts numbered per EP rank
-   (the EP offset forgotten) fails --verify at EP 2.
+3. Planted bugs (slow): Mixtral's w1/w3 swapped on import, and EP ranks given each other's experts, fail
+   --verify; experts numbered per EP rank (the EP offset forgotten) are refused by the coverage check.
 4. The presets' tiny models train (slow) and their checkpoints export and verify.
 """
 from __future__ import annotations
@@ -220,16 +220,22 @@ def test_round_trip_verifies_and_reproduces_every_tensor(family, layout, hf_dir,
     assert_same_tensors(read_safetensors_dir(src), read_safetensors_dir(out), f"{family} {layout}: {out}")
 
 
-PLANTED = [("import_gate_up_swapped", "mixtral", "ep1"), ("experts_local_numbering", "qwen2_moe", "ep2")]
+PLANTED = [  # (plant, family, layout, exit status, what says so)
+    ("import_gate_up_swapped", "mixtral", "ep1", 3, "verify FAILED"),  # Mixtral's w1 and w3 the wrong way round
+    ("experts_swapped_across_ep", "qwen2_moe", "ep2", 3, "verify FAILED"),  # EP ranks given each other's experts
+    # the EP offset forgotten: experts 2 and 3 are loaded nowhere, which the coverage check refuses before saving
+    ("experts_local_numbering", "mixtral", "ep2", 2, "no parameter of the model took "
+                                                     "decoder.layers.0.mlp.experts.local_experts.2.linear_fc1.weight"),
+]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("plant,family,layout", PLANTED, ids=[p[0] for p in PLANTED])
-def test_planted_expert_errors_fail_verify(plant, family, layout, hf_dir, tmp_path):
+@pytest.mark.parametrize("plant,family,layout,status,message", PLANTED, ids=[p[0] for p in PLANTED])
+def test_planted_expert_errors_are_caught(plant, family, layout, status, message, hf_dir, tmp_path):
     proc = run_convert("--direction", "hf2mcore", "--load-dir", hf_dir(family), "--save-dir", str(tmp_path / "ck"),
                        *layout_flags(layout), "--verify", plant=plant)
-    assert "saved checkpoint" in proc.stdout, explain(proc)
-    assert proc.returncode == 3 and "verify FAILED" in proc.stdout, explain(proc)
+    assert proc.returncode == status and message in proc.stdout + proc.stderr, explain(proc)
+    assert ("saved checkpoint" in proc.stdout) == (status == 3), explain(proc)  # verify reads what was written
 
 
 # ------------------------------------------------------------------------------------------ the presets

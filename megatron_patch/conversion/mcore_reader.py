@@ -52,6 +52,8 @@ STACKED = "decoder.layers."
 TE_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
             "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
+# optimizer state: megatron-core's ChainedOptimizer (experts apart, EP > 1 or ETP != TP) saves chained_<n>.optimizer.*
+_OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")
 STACKED_EXPERTS = "mlp.experts.experts."  # a layer's routed experts, stacked along a leading expert dimension
 
 
@@ -196,7 +198,7 @@ class MegatronCheckpointReader(TensorIndex):  # keys(): embedding, layers 0..L-1
                 if m:
                     name = f"decoder.layers.{m.group(1)}.{local_norm_name(m.group(2))}"
                 where[name] = (key, ())
-            elif key.startswith("optimizer."):
+            elif _OPTIMIZER.match(key):
                 continue
             elif _LAYER.match(key):  # saved per layer (layers of different kinds)
                 m = _LAYER.match(key)
