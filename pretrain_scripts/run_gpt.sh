@@ -49,7 +49,7 @@ else
   DEFAULT_PRECISION=fp32
 fi
 
-MODEL_FAMILY=${MODEL_FAMILY:-gpt}        # gpt | llama | qwen2 | mistral
+MODEL_FAMILY=${MODEL_FAMILY:-gpt}        # gpt | llama | qwen2 | mistral | mixtral | qwen2_moe
 MODEL_SIZE=${MODEL_SIZE:-tiny}           # tiny | 125m | 350m | 1.3b | ... (see --help)
 HF_MODEL=${HF_MODEL:-}                   # a Hugging Face model directory to start from (instead of MODEL_FAMILY/SIZE)
 GPUS=${GPUS:-$DEFAULT_GPUS}              # processes per node (one per GPU; CPU processes without GPUs)

@@ -7,7 +7,8 @@ margins (asserted below: >= 1e-3 between the 2nd and 3rd logit of every token): 
 differ in the last bits (~1e-6), which cannot flip an expert. verify's criterion is the other families':
 max |logit difference| <= 1e-4 in fp32 and the same top-1 token.
 
-1. In-process (fast): the tables use every tensor save_pretrained writes; config.json <-> engine fields
+1. In-process (fast): the tables use every tensor save_pretrained writes, and what they build computes
+   transformers' experts (routed and shared) the way megatron-core's MLP uses it; config.json <-> engine fields
    (routing options, dense/sparse layers, shared expert); megatron-core's router with the chosen options
    picks transformers' experts with transformers' weights; --moe-layer-freq lists; presets validate.
 2. The CLI (torchrun workers): hf2mcore --verify at EP 2 (and TP2 x EP2, TP2 x EP2 x ETP1, PP2 x EP2, EP1),
@@ -88,6 +89,42 @@ def test_tables_use_every_tensor_save_pretrained_writes(family, hf_dir):
     assert fused
     with pytest.raises(ConversionError, match="does not use"):
         check_coverage(module.TABLE, rules, names + fused, where=family)
+
+
+@pytest.mark.parametrize("family", list(MOE_FAMILIES))
+def test_expert_rules_compute_transformers_experts(family, hf_dir):
+    """The tensors the table builds from the saved checkpoint, used as megatron-core's SwiGLU MLP uses them
+    (linear_fc1 -> chunk into [gate; up] -> silu(gate) * up -> linear_fc2; the shared expert times
+    sigmoid(x @ gate_weight.T)), compute what transformers' in-memory (fused) experts compute: a swapped w1/w3 or
+    a misnumbered expert fails here, in milliseconds."""
+    from megatron_patch.conversion.hf_io import HFCheckpointReader
+    from megatron_patch.conversion.mapping import dims, to_mcore
+
+    model = build_hf_model(family)
+    module = tables.for_model_type(family)
+    cfg = Config(**module.engine_args(model.config.to_dict()))
+    rules = {r.mcore: r for r in module.TABLE.rules_for(cfg)}
+    read, d = HFCheckpointReader(hf_dir(family)).get, dims(cfg, VOCAB, VOCAB)
+    get = lambda name: to_mcore(rules[f"decoder.layers.0.mlp.{name}"], read, d)  # noqa: E731
+    block = model.model.layers[0].mlp
+    x = torch.randn(16, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
+
+    def swiglu(fc1, fc2, x):
+        gate, up = (x @ fc1.t()).chunk(2, dim=-1)
+        return (torch.nn.functional.silu(gate) * up) @ fc2.t()
+    with torch.no_grad():
+        for e in range(cfg.num_experts):
+            gate, up = (x @ block.experts.gate_up_proj[e].t()).chunk(2, dim=-1)
+            want = (torch.nn.functional.silu(gate) * up) @ block.experts.down_proj[e].t()
+            got = swiglu(get(f"experts.local_experts.{e}.linear_fc1.weight"),
+                         get(f"experts.local_experts.{e}.linear_fc2.weight"), x)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=f"expert {e}")
+        assert torch.equal(get("router.weight"), block.gate.weight)
+        if family == "qwen2_moe":
+            shared = swiglu(get("shared_experts.linear_fc1.weight"), get("shared_experts.linear_fc2.weight"), x)
+            gated = torch.sigmoid(x @ get("shared_experts.gate_weight").t()) * shared
+            want = torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
+            torch.testing.assert_close(gated, want, rtol=1e-5, atol=1e-6)
 
 
 def test_engine_fields_from_config_json():
