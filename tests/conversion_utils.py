@@ -36,6 +36,7 @@ class Family:
     dtype: torch.dtype = torch.float32
     divisible_by: Optional[int] = 1  # --make-vocab-size-divisible-by (None: the default, 128)
     init: float = 0.05  # initializer_range
+    router_std: Optional[float] = None  # MoE: std of the routers' weights (see build_hf_model)
 
 
 FAMILIES = {
@@ -58,6 +59,19 @@ FAMILIES = {
 }
 
 
+# Mixture of experts: 4 experts, top-2, GQA, untied. qwen2_moe: a dense layer (mlp_only_layers) next to a sparse
+# one, routed experts (48) narrower than the shared expert (80) and the dense MLP (96), norm_topk_prob False.
+MOE_FAMILIES = {
+    "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, num_local_experts=4, num_experts_per_tok=2), router_std=0.25),
+    "qwen2_moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
+        shared_expert_intermediate_size=80, mlp_only_layers=[1], norm_topk_prob=False), router_std=0.25),
+}
+
+
 def build_hf_model(name: str, seed: int = 0):
     """The family's tiny model with random weights: transformers' initialization (std 0.05, GPT-2 0.15, so that
     attention is far from uniform and a wrong layout changes the logits by much more than verify's
@@ -65,7 +79,7 @@ def build_hf_model(name: str, seed: int = 0):
     tensors of a kind are equal (a mix-up of norms or biases changes the logits too)."""
     import transformers
 
-    fam = FAMILIES[name]
+    fam = FAMILIES.get(name) or MOE_FAMILIES[name]
     torch.manual_seed(seed)
     config = getattr(transformers, fam.config)(vocab_size=VOCAB, initializer_range=fam.init, **fam.kwargs)
     model = getattr(transformers, fam.model)(config)
@@ -74,6 +88,12 @@ def build_hf_model(name: str, seed: int = 0):
             if p.dim() == 1:
                 is_norm_weight = pname.endswith("weight") and ("norm" in pname or ".ln_" in pname)
                 p.copy_(1 + 0.2 * torch.randn_like(p) if is_norm_weight else 0.05 * torch.randn_like(p))
+            elif fam.router_std and pname.endswith("mlp.gate.weight"):
+                # Router logits of std ~2 (transformers' 0.05 gives ~0.4): the k-th and (k+1)-th logits of every
+                # token are >= 7e-3 apart on verify's batch, thousands of times the last-bit differences between
+                # two correct implementations, so no expert choice flips; the second expert keeps a weight of
+                # ~0.25 on average, so a mistake in it still shows
+                p.copy_(fam.router_std * torch.randn_like(p))
     return model.to(fam.dtype).eval()
 
 
@@ -367,6 +387,54 @@ def _plant_rope_scaling_ignored():
     llama.rope_theta = rope_theta
 
 
+def _plant_import_gate_up_swapped(T):
+    def make(original):
+        return lambda self, hf, d: original(self, hf[::-1], d)  # Mixtral's w1/w3 (gate/up) taken the wrong way round
+    _wrap(T.FuseGateUp, "to_mcore", make)
+
+
+def _plant_experts_local_numbering():
+    """A loader that forgets the EP offset: every EP rank fills its local experts 0, 1, ... with the Hugging Face
+    experts 0, 1, ... (right at EP 1, wrong for every rank but the first at EP > 1)."""
+    import re
+
+    from megatron_patch.conversion import load_hf
+
+    original = load_hf.global_name
+
+    def global_name(name, module):
+        local = re.search(r"\.local_experts\.(\d+)\.", name)
+        full = original(name, module)
+        return re.sub(r"\.local_experts\.\d+\.", f".local_experts.{local.group(1)}.", full) if local else full
+    load_hf.global_name = global_name
+
+
+def _plant_experts_swapped_across_ep():
+    """An import that hands each EP rank another rank's block of experts (rank r gets rank EP-1-r's): every expert
+    is loaded somewhere, so no coverage check sees it; only in hf2mcore's own process, so --verify, which reads
+    the written checkpoint back correctly, compares the wrong model with transformers'."""
+    import re
+    import sys
+
+    from megatron_patch.conversion import load_hf
+
+    original = load_hf.global_name
+
+    def global_name(name, module):
+        full = original(name, module)
+        expert = re.search(r"\.local_experts\.(\d+)\.", full)
+        if not expert or "hf2mcore" not in sys.argv:
+            return full
+        from megatron.core import parallel_state as mpu
+
+        total = module.config.num_moe_experts
+        local = total // mpu.get_expert_model_parallel_world_size()
+        e = int(expert.group(1))
+        swapped = total - local * (e // local + 1) + e % local
+        return full.replace(expert.group(0), f".local_experts.{swapped}.")
+    load_hf.global_name = global_name
+
+
 def _transforms(fn):
     def apply():
         from megatron_patch.conversion import transforms
@@ -391,6 +459,10 @@ PLANTS: Dict[str, Callable[[], None]] = {
     "export_config_no_architectures": _plant_export_config_no_architectures,
     "verify_without_export_dtype": _plant_verify_without_export_dtype,
     "rope_scaling_ignored": _plant_rope_scaling_ignored,
+    # mixture of experts (tests/test_conversion_moe.py)
+    "import_gate_up_swapped": _transforms(_plant_import_gate_up_swapped),
+    "experts_local_numbering": _plant_experts_local_numbering,
+    "experts_swapped_across_ep": _plant_experts_swapped_across_ep,
     "verify_always_passes": _plant_verify_always_passes,
     "no_save_dir_check": _plant_no_save_dir_check,
     "no_unused_tensor_check": _plant_no_unused_tensor_check,

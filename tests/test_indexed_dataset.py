@@ -1,6 +1,5 @@
 """The .bin/.idx format: interchangeable with megatron-core both ways, four readers, corrupt files refused."""
 import os
-import shutil
 
 import numpy as np
 import pytest

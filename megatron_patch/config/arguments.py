@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
-from typing import List, Optional
+from typing import List, Optional, Union
 
 from .config import Config, ConfigError
 from . import model_source
@@ -26,6 +27,29 @@ BERT_FLAGS = {"bert_binary_head": "--bert-no-binary-head", "mask_prob": "--mask-
 MODELS = {"gpt": "a GPT/Llama-family model", "bert": "a BERT model (masked LM + next-sentence prediction)"}
 
 
+def moe_layer_freq(text: str) -> Union[int, List[int]]:
+    """--moe-layer-freq as Megatron-LM takes it: N (every N-th layer has experts) or a 0/1 list per layer,
+    written out ("[0,1,1,1]") or as Megatron-LM's list expression ("([0]+[1]*3)*2"). The expression is
+    evaluated over int/list literals, + and * only (Megatron-LM calls eval; here nothing else runs)."""
+    def value(node):
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.List):
+            return [value(e) for e in node.elts]
+        if isinstance(node, ast.BinOp) and isinstance(node.op, (ast.Add, ast.Mult)):
+            left, right = value(node.left), value(node.right)
+            return left + right if isinstance(node.op, ast.Add) else left * right
+        raise ValueError
+    try:
+        out = value(ast.parse(text.strip(), mode="eval").body)
+    except (SyntaxError, ValueError, TypeError):
+        out = None
+    if not (type(out) is int or (isinstance(out, list) and all(type(x) is int for x in out))):
+        raise argparse.ArgumentTypeError(f"{text!r} is neither N nor a list of 0/1 per layer such as [0,1,1,1] or "
+                                         f"([0]+[1]*3)*2")
+    return out
+
+
 def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
     p = _Parser(
         description=f"Pretrain {MODELS[model]} with megatron-core (TP/PP/DP, ZeRO-1, bf16/fp16).",
@@ -34,7 +58,8 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
     )
     g = p.add_argument_group("model")
     g.add_argument("--model-family", choices=list(FAMILIES),
-                   help="architecture preset: gpt (GPT-2), llama, qwen2, mistral; bert (pretrain_megatron_bert.py)")
+                   help="architecture preset: gpt (GPT-2), llama, qwen2, mistral, mixtral, qwen2_moe; "
+                   "bert (pretrain_megatron_bert.py)")
     g.add_argument("--model-size", help="size preset of the family: " + "; ".join(f"{f}: {', '.join(s)}" for f, s in SIZES.items()))
     for name, typ in [("num-layers", int), ("hidden-size", int), ("num-attention-heads", int), ("num-query-groups", int),
                       ("ffn-hidden-size", int), ("kv-channels", int), ("seq-length", int), ("max-position-embeddings", int), ("rotary-base", int),
@@ -54,8 +79,8 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
 
     g = p.add_argument_group("mixture of experts (megatron-core MoELayer)")
     g.add_argument("--num-experts", type=int, help="experts per MoE layer (default: a dense MLP)")
-    for name, typ in [("moe-router-topk", int), ("moe-ffn-hidden-size", int), ("moe-layer-freq", int),
-                      ("moe-aux-loss-coeff", float), ("moe-z-loss-coeff", float), ("moe-expert-capacity-factor", float),
+    for name, typ in [("moe-router-topk", int), ("moe-ffn-hidden-size", int), ("moe-layer-freq", moe_layer_freq),
+                      ("moe-shared-expert-intermediate-size", int), ("moe-aux-loss-coeff", float), ("moe-z-loss-coeff", float), ("moe-expert-capacity-factor", float),
                       ("expert-model-parallel-size", int), ("expert-tensor-parallel-size", int)]:
         g.add_argument(f"--{name}", type=typ, help=f"(default {getattr(_D, name.replace('-', '_'))})")
     g.add_argument("--moe-router-load-balancing-type", choices=["aux_loss", "seq_aux_loss", "global_aux_loss", "sinkhorn", "none"])
@@ -63,6 +88,8 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--moe-token-drop-policy", choices=["probs", "position"])
     for name in ("moe-router-pre-softmax", "moe-pad-expert-input-to-capacity", "moe-per-layer-logging"):
         g.add_argument(f"--{name}", action="store_true")
+    g.add_argument("--moe-shared-expert-gate", action="store_true",
+                   help="scale the shared expert's output by a sigmoid gate (Qwen2-MoE)")
 
     g = p.add_argument_group("BERT (pretrain_megatron_bert.py)")
     g.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_false",
@@ -98,7 +125,8 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--load")
     g.add_argument("--load-hf", metavar="DIR",
                    help="start from a Hugging Face model directory (config.json + safetensors; GPT-2, Llama, Qwen2, "
-                        "Mistral): architecture from its config, weights loaded into any TP/PP layout")
+                        "Mistral, Mixtral, Qwen2-MoE): architecture from its config, weights loaded into any "
+                        "TP/PP/EP layout")
     g.add_argument("--tensorboard-dir")
     g.add_argument("--no-exit-on-nan", dest="exit_on_nan", action="store_false", help="keep going after a NaN/Inf loss")
     g.add_argument("--metrics-file", help="append one JSON line of metrics per iteration to this file (rank 0)")

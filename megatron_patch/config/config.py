@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Union
 
 
 class ConfigError(ValueError):
@@ -48,7 +48,11 @@ class Config:
     num_experts: Optional[int] = None
     moe_router_topk: int = 2
     moe_ffn_hidden_size: Optional[int] = None  # default --ffn-hidden-size
-    moe_layer_freq: int = 1  # an MoE layer every N layers (1: all)
+    # an MoE layer every N layers (1: all), or one 0/1 per layer (Megatron-LM's list form, e.g. Qwen2-MoE's
+    # mlp_only_layers / decoder_sparse_step): 1 = experts, 0 = the dense MLP of --ffn-hidden-size
+    moe_layer_freq: Union[int, List[int]] = 1
+    moe_shared_expert_intermediate_size: Optional[int] = None  # a shared expert (every token) of this width
+    moe_shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(hidden @ gate) (Qwen2-MoE)
     moe_router_load_balancing_type: str = "aux_loss"  # aux_loss | seq_aux_loss | global_aux_loss | sinkhorn | none
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
@@ -158,6 +162,16 @@ class Config:
         if self.lr_warmup_fraction is not None:
             return int(self.lr_warmup_fraction * self.decay_iters)
         return self.lr_warmup_iters
+
+    def moe_layers(self) -> List[int]:
+        """Global numbers (from 0) of the layers with experts: megatron-core's moe_layer_freq rule (every N-th
+        layer from layer 0, or the 1s of a list); none for a dense model."""
+        if not self.num_experts:
+            return []
+        freq = self.moe_layer_freq
+        if isinstance(freq, int):
+            return [i for i in range(self.num_layers) if i % freq == 0]
+        return [i for i, on in enumerate(freq) if on]
 
     @property
     def params_dtype_name(self) -> str:

@@ -13,7 +13,8 @@ ARCHITECTURE = ("model_family", "num_layers", "hidden_size", "num_attention_head
                 "normalization", "norm_epsilon", "swiglu", "openai_gelu", "untie_embeddings_and_output_weights",
                 "disable_bias_linear", "add_qkv_bias", "model_vocab_size", "padded_vocab_size", "bert_binary_head",
                 # mixture of experts: which layers have experts, how many, their width and routing
-                "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_pre_softmax")
+                "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_pre_softmax",
+                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 FLAG = {"untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
         "bert_binary_head": "--bert-no-binary-head"}
 

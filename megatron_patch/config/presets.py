@@ -20,6 +20,23 @@ FAMILIES: Dict[str, Dict[str, object]] = {
     "bert": dict(position_embedding_type="learned_absolute", swiglu=False, normalization="LayerNorm",
                  untie_embeddings_and_output_weights=False, disable_bias_linear=False, norm_epsilon=1e-12,
                  max_position_embeddings=512),
+    # Mixtral (MixtralForCausalLM): Mistral's attention, every MLP a sparse block of SwiGLU experts. Its router
+    # takes softmax over all experts, keeps the top k and renormalises them to sum to 1; megatron-core's
+    # router without --moe-router-pre-softmax takes top-k of the logits, then softmax over those k: the
+    # same weights (softmax is monotonic, and exp(l_i)/sum_k exp(l_k) is p_i/sum_k p_k).
+    "mixtral": dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm", rotary_base=1000000,
+                    untie_embeddings_and_output_weights=True, disable_bias_linear=True, norm_epsilon=1e-5,
+                    hidden_dropout=0.0, attention_dropout=0.0, moe_router_pre_softmax=False, moe_layer_freq=1,
+                    moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.02),
+    # Qwen2-MoE (Qwen2MoeForCausalLM; Qwen1.5-MoE, Qwen2-57B-A14B): Qwen2's attention (QKV biases), routed
+    # experts of --moe-ffn-hidden-size plus one shared expert behind a sigmoid gate. norm_topk_prob is
+    # False in those checkpoints: the top-k softmax probabilities are used as they are, which is
+    # megatron-core's --moe-router-pre-softmax (softmax over all experts, then top-k, no renormalisation).
+    "qwen2_moe": dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm", rotary_base=1000000,
+                      untie_embeddings_and_output_weights=True, disable_bias_linear=True, add_qkv_bias=True,
+                      norm_epsilon=1e-6, hidden_dropout=0.0, attention_dropout=0.0, moe_router_pre_softmax=True,
+                      moe_layer_freq=1, moe_shared_expert_gate=True, moe_router_load_balancing_type="aux_loss",
+                      moe_aux_loss_coeff=0.001),
 }
 
 # (num_layers, hidden_size, num_attention_heads, num_query_groups or None, ffn_hidden_size or None)
@@ -32,6 +49,17 @@ SIZES: Dict[str, Dict[str, tuple]] = {
               "7b": (28, 3584, 28, 4, 18944)},
     "mistral": {"tiny": (2, 128, 4, 2, 352), "7b": (32, 4096, 32, 8, 14336)},
     "bert": {"tiny": (2, 128, 4, None, None), "base": (12, 768, 12, None, None), "large": (24, 1024, 16, None, None)},
+    # ffn: the experts' width (Mixtral has no dense MLP)
+    "mixtral": {"tiny": (2, 128, 4, 2, 352), "8x7b": (32, 4096, 32, 8, 14336), "8x22b": (56, 6144, 48, 8, 16384)},
+    # ffn: the dense MLP's width (layers without experts; Qwen2-MoE's intermediate_size)
+    "qwen2_moe": {"tiny": (2, 128, 4, 2, 352), "a2.7b": (24, 2048, 16, None, 5632), "57b-a14b": (28, 3584, 28, 4, 18944)},
+}
+
+# Experts of the MoE sizes: (experts, top-k, expert width or None for ffn, shared expert width or None)
+MOE_SIZES: Dict[str, Dict[str, tuple]] = {
+    "mixtral": {"tiny": (4, 2, None, None), "8x7b": (8, 2, None, None), "8x22b": (8, 2, None, None)},
+    # Qwen1.5-MoE-A2.7B: 60 experts of 1408, top 4, shared 5632; Qwen2-57B-A14B: 64 of 2560, top 8, shared 20480
+    "qwen2_moe": {"tiny": (4, 2, 96, 192), "a2.7b": (60, 4, 1408, 5632), "57b-a14b": (64, 8, 2560, 20480)},
 }
 
 
@@ -49,4 +77,14 @@ def preset(family: str, size: str) -> Dict[str, object]:
             values["num_query_groups"] = groups
         if ffn:
             values["ffn_hidden_size"] = ffn
+        if size in MOE_SIZES.get(family, {}):
+            experts, topk, expert_ffn, shared = MOE_SIZES[family][size]
+            values.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=expert_ffn or ffn)
+            if shared:
+                values["moe_shared_expert_intermediate_size"] = shared
+    elif family in MOE_SIZES:  # the family's experts without a size: the tiny one's, so that it builds
+        experts, topk, expert_ffn, shared = MOE_SIZES[family]["tiny"]
+        values.update(num_experts=experts, moe_router_topk=topk)
+        if shared:
+            values.update(moe_ffn_hidden_size=expert_ffn, moe_shared_expert_intermediate_size=shared)
     return values

@@ -45,6 +45,8 @@ def validate_moe(c: Config, world_size: int, tp: int, pp: int) -> int:
             _fail(f"--num-experts {c.num_experts}: give at least 1 expert, or drop the flag for a dense MLP")
         if ep != 1 or etp not in (None, tp):
             _fail("--expert-model-parallel-size / --expert-tensor-parallel-size need --num-experts")
+        if c.moe_shared_expert_intermediate_size is not None or c.moe_shared_expert_gate:
+            _fail("--moe-shared-expert-intermediate-size / --moe-shared-expert-gate need --num-experts")
         return world_size // (tp * pp)
     etp = etp or tp
     n = c.num_experts
@@ -65,8 +67,21 @@ def validate_moe(c: Config, world_size: int, tp: int, pp: int) -> int:
         _fail(f"--moe-router-topk {c.moe_router_topk} must be between 1 and --num-experts {n}")
     if c.moe_router_topk == 1 and not c.moe_router_pre_softmax and c.moe_router_load_balancing_type != "sinkhorn":
         _fail("--moe-router-topk 1 needs --moe-router-pre-softmax (a softmax over one selected expert has no gradient)")
-    if c.moe_layer_freq < 1:
-        _fail(f"--moe-layer-freq {c.moe_layer_freq}: 1 puts experts in every layer, N in every N-th")
+    freq = c.moe_layer_freq
+    if isinstance(freq, int) and freq < 1:
+        _fail(f"--moe-layer-freq {freq}: 1 puts experts in every layer, N in every N-th")
+    if isinstance(freq, list):
+        if len(freq) != c.num_layers or set(freq) - {0, 1}:
+            _fail(f"--moe-layer-freq {freq}: a list needs one 0 (dense MLP) or 1 (experts) per layer, "
+                  f"{c.num_layers} of them (--num-layers)")
+        if not any(freq):
+            _fail(f"--moe-layer-freq {freq} puts experts in no layer: drop --num-experts for a dense model")
+    shared = c.moe_shared_expert_intermediate_size
+    if shared is not None and (shared < 1 or shared % tp):
+        _fail(f"--moe-shared-expert-intermediate-size {shared} must be positive and divisible by "
+              f"--tensor-model-parallel-size {tp} (the shared expert is sliced like a dense MLP)")
+    if c.moe_shared_expert_gate and shared is None:
+        _fail("--moe-shared-expert-gate gates the shared expert: it needs --moe-shared-expert-intermediate-size")
     if not c.disable_bias_linear:
         _fail("--num-experts needs --disable-bias-linear: megatron-core's experts support biases only with "
               "--expert-tensor-parallel-size 1, and its local-spec experts fail with them at "
@@ -82,8 +97,6 @@ def validate_moe(c: Config, world_size: int, tp: int, pp: int) -> int:
         _fail("--zero-2-memory-optimization (Megatron-FSDP) with --expert-model-parallel-size > 1 is not supported; "
               "use --zero-1-memory-optimization (megatron-core's distributed optimizer shards expert state over "
               "expert-DP)")
-    if c.load_hf:
-        _fail("--load-hf loads dense models only; Mixture-of-Experts checkpoints cannot be converted yet")
     return world_size // (etp * ep * pp)
 
 

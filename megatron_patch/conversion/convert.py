@@ -3,7 +3,9 @@
   hf2mcore  a Hugging Face directory -> an engine checkpoint (iteration 0, weights only) that
             `pretrain_megatron_gpt.py --load DIR` continues from, its model arguments stored with it.
             The model is built in the target layout by TP x PP worker processes (started here, CPU,
-            gloo), each loading only its slice, one tensor at a time.
+            gloo), each loading only its slice, one tensor at a time. A mixture-of-experts model
+            (Mixtral, Qwen2-MoE) also takes an expert layout (EP, ETP): then PP x lcm(TP, EP x ETP)
+            processes, the experts carved out of data parallelism as in training.
   mcore2hf  any engine checkpoint (any TP/PP/VPP, ZeRO-0/1/2) -> config.json + safetensors (sharded
             above --max-shard-size) + tokenizer files, loadable with AutoModelForCausalLM.from_pretrained.
 
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import subprocess
@@ -31,10 +34,15 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--load-dir", required=True, help="source: a Hugging Face directory, or an engine checkpoint "
                    "(a --save directory or one iter_XXXXXXX in it)")
     p.add_argument("--save-dir", required=True, help="destination directory (must be empty or absent)")
-    p.add_argument("--model-family", default="auto", choices=["auto", "gpt2", "gpt", "llama", "qwen2", "mistral", "bert"],
+    p.add_argument("--model-family", default="auto", choices=["auto", "gpt2", "gpt", "llama", "qwen2", "mistral", "mixtral",
+                                                       "qwen2_moe", "bert"],
                    help="auto: config.json's model_type (hf2mcore) or the checkpoint's family (mcore2hf)")
     p.add_argument("--target-tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--target-expert-model-parallel-size", type=int, default=1,
+                   help="mixture of experts (hf2mcore): EP ranks, each holding num_experts / EP of every layer's experts")
+    p.add_argument("--target-expert-tensor-parallel-size", type=int,
+                   help="mixture of experts (hf2mcore): the experts' tensor parallelism (default: TP)")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
                    help="the embedding is padded to a multiple of lcm(this, TP) rows (hf2mcore)")
     p.add_argument("--dtype", choices=["auto", *DTYPES], default="auto",
@@ -112,16 +120,19 @@ def hf2mcore(a: argparse.Namespace) -> int:
     first = next(iter(reader.keys()))
     hf_dtype = str(reader.dtype_of(first)).replace("torch.", "")
     tp, pp = a.target_tensor_model_parallel_size, a.target_pipeline_model_parallel_size
-    print(f"hf2mcore: {a.load_dir} ({config.get('model_type')}, {hf_dtype}) -> {a.save_dir} at TP {tp} PP {pp}, "
-          f"{tp * pp} worker process(es)", flush=True)
-    layout = ["--tp", str(tp), "--pp", str(pp)]
-    status = run_workers(tp * pp, ["hf2mcore", "--load-dir", a.load_dir, "--save-dir", a.save_dir, *layout,
+    ep, etp = a.target_expert_model_parallel_size, a.target_expert_tensor_parallel_size
+    nproc = pp * math.lcm(tp, ep * (etp or tp))  # TP x PP x DP, with EP x ETP dividing TP x DP
+    experts = f" EP {ep} ETP {etp or tp}" if ep > 1 or etp else ""
+    print(f"hf2mcore: {a.load_dir} ({config.get('model_type')}, {hf_dtype}) -> {a.save_dir} at TP {tp} PP {pp}"
+          f"{experts}, {nproc} worker process(es)", flush=True)
+    layout = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep)] + (["--etp", str(etp)] if etp else [])
+    status = run_workers(nproc, ["hf2mcore", "--load-dir", a.load_dir, "--save-dir", a.save_dir, *layout,
                                    "--make-vocab-size-divisible-by", str(a.make_vocab_size_divisible_by),
                                    "--hf-dtype", hf_dtype])
     if status or not a.verify:
         return status
     # The written checkpoint, read back in the target layout, against the Hugging Face model.
-    return run_workers(tp * pp, ["verify", "--load-dir", a.save_dir, "--hf-dir", a.load_dir, *layout]
+    return run_workers(nproc, ["verify", "--load-dir", a.save_dir, "--hf-dir", a.load_dir, *layout]
                        + (["--debug"] if a.debug else []))
 
 
@@ -167,7 +178,7 @@ def mcore2hf(a: argparse.Namespace) -> int:
 
     from . import tables
     from .hf_io import HFCheckpointWriter
-    from .mapping import ConversionError, dims, options, to_hf
+    from .mapping import ConversionError, dims, to_hf
     from .mcore_reader import MegatronCheckpointReader
 
     reader = MegatronCheckpointReader(a.load_dir)
@@ -178,7 +189,7 @@ def mcore2hf(a: argparse.Namespace) -> int:
     _check_save_dir(a.save_dir)
     info = reader.manifest.get("model", {})
     vocab, padded = info["vocab_size"], info["padded_vocab_size"]
-    rules = family.TABLE.expand(options(cfg), cfg.num_layers)
+    rules = family.TABLE.rules_for(cfg)
     have, need = set(reader.keys()), {r.mcore for r in rules}
     if have != need:
         extra, missing = sorted(have - need), sorted(need - have)

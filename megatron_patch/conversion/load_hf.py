@@ -82,7 +82,7 @@ def load_hf_weights(chunks: List[torch.nn.Module], cfg, hf_dir: str) -> Dict:
     vocab = cfg.model_vocab_size
     d = dims(cfg, vocab, padded_vocab_size(vocab, cfg))
     opts = options(cfg)
-    every = family.TABLE.expand(opts, cfg.num_layers)
+    every = family.TABLE.rules_for(cfg)
     absent = absent_parts(every, names)
     initialise = {r.mcore for rs in absent.values() for r in rs}
     rules = {r.mcore: r for r in every if r.mcore not in initialise}

@@ -3,12 +3,16 @@ of, and the transform between them. One engine (`to_mcore`, `to_hf`, `check_cove
 
 Names: Hugging Face names are those of the checkpoint files; megatron-core names are the *global* names
 of the unwrapped GPTModel's state dict (`decoder.layers.{i}.` with the global layer number), whatever
-the TP/PP layout (megatron_patch.conversion.shard cuts them to a rank's slice). `{i}` runs over layers.
+the TP/PP layout (megatron_patch.models.partition cuts them to a rank's slice). `{i}` runs over layers,
+`{e}` over the experts of a mixture-of-experts layer (global expert numbers, whatever the EP layout:
+`decoder.layers.{i}.mlp.experts.local_experts.{e}.`).
 A rule can depend on an option of the model (`when`): tied or untied output layer, biases, learned
-position embeddings, LayerNorm (with bias) or RMSNorm, BERT's binary head. A rule can belong to an optional
-`part` of the model (BERT's MLM head, pooler, NSP head): a Hugging Face checkpoint without any tensor of
-the part is still converted, the part being initialised (and reported) instead of read; a part the model
-does not build (its rules' `when` is false) has its Hugging Face tensors dropped (and reported).
+position embeddings, LayerNorm (with bias) or RMSNorm, BERT's binary head, a shared expert; and on the kind
+of layer (`layers`): "moe" for the layers with experts, "dense" for the others (a model may mix them).
+A rule can belong to an optional `part` of the model (BERT's MLM head, pooler, NSP head): a Hugging Face
+checkpoint without any tensor of the part is still converted, the part being initialised (and reported)
+instead of read; a part the model does not build (its rules' `when` is false) has its Hugging Face
+tensors dropped (and reported).
 """
 from __future__ import annotations
 
@@ -48,10 +52,11 @@ class Rule:
     transform: Transform = IDENTITY
     when: Optional[str] = None  # a model option (see `options`) that must be true for the rule to apply
     part: Optional[str] = None  # an optional part of the model (module docstring)
+    layers: Optional[str] = None  # "moe" / "dense": only layers with / without experts (None: every layer)
 
-    def at(self, i: int) -> "Rule":
-        return Rule(self.mcore.replace("{i}", str(i)), tuple(h.replace("{i}", str(i)) for h in self.hf),
-                    self.transform, self.when, self.part)
+    def at(self, i: int, key: str = "{i}") -> "Rule":
+        return Rule(self.mcore.replace(key, str(i)), tuple(h.replace(key, str(i)) for h in self.hf),
+                    self.transform, self.when, self.part, self.layers)
 
 
 @dataclass(frozen=True)
@@ -61,19 +66,28 @@ class Table:
     rules: Tuple[Rule, ...]
     ignored_hf: Tuple[str, ...] = ()  # regexes of Hugging Face tensors that carry no weights (buffers)
 
-    def expand(self, options: Dict[str, bool], num_layers: int) -> List[Rule]:
-        """The concrete rules of one model: options applied, `{i}` filled for every layer."""
+    def expand(self, options: Dict[str, bool], num_layers: int, moe_layers: Sequence[int] = (),
+               num_experts: int = 0) -> List[Rule]:
+        """The concrete rules of one model: options applied, `{i}` filled for every layer of the rule's kind
+        (`moe_layers`: the global numbers of the layers with experts), `{e}` for each of `num_experts`."""
+        kinds = {None: range(num_layers), "moe": sorted(moe_layers),
+                 "dense": [i for i in range(num_layers) if i not in set(moe_layers)]}
         out = []
         for r in self.rules:
             if r.when is not None and not options[r.when]:
                 continue
-            out.extend(r.at(i) for i in range(num_layers)) if "{i}" in r.mcore else out.append(r)
+            for layer in (r.at(i) for i in kinds[r.layers]) if "{i}" in r.mcore else [r]:
+                out.extend(layer.at(e, "{e}") for e in range(num_experts)) if "{e}" in r.mcore else out.append(layer)
         return out
 
     def unbuilt(self, options: Dict[str, bool], num_layers: int) -> List[Rule]:
         """The rules of optional parts that this model does not build (their `when` is false)."""
         return [r for r in self.expand({k: True for k in options}, num_layers)
                 if r.part is not None and r.when is not None and not options[r.when]]
+
+    def rules_for(self, cfg) -> List[Rule]:
+        """`expand` for the model of an engine Config."""
+        return self.expand(options(cfg), cfg.num_layers, cfg.moe_layers(), cfg.num_experts or 0)
 
     def ignored(self, hf_name: str) -> bool:
         return any(re.fullmatch(p, hf_name) for p in self.ignored_hf)
@@ -95,7 +109,10 @@ def options(cfg) -> Dict[str, bool]:
     bias = not cfg.disable_bias_linear
     return {"untied": cfg.untie_embeddings_and_output_weights, "bias": bias, "qkv_bias": bias or cfg.add_qkv_bias,
             "learned_positions": cfg.position_embedding_type == "learned_absolute",
-            "norm_bias": cfg.normalization == "LayerNorm", "binary_head": getattr(cfg, "bert_binary_head", True)}
+            "norm_bias": cfg.normalization == "LayerNorm", "binary_head": getattr(cfg, "bert_binary_head", True),
+            "shared_expert": bool(cfg.num_experts and cfg.moe_shared_expert_intermediate_size),
+            "shared_expert_gate": bool(cfg.num_experts and cfg.moe_shared_expert_intermediate_size
+                                       and cfg.moe_shared_expert_gate)}
 
 
 def dims(cfg, vocab: int, padded_vocab: int) -> Dims:

@@ -15,7 +15,11 @@ group; DCP assembles every tensor from the chunks the ranks saved (any TP/PP/VPP
       of shape [num_layers, ...], each layer saved as its own chunk(s); the norms carry Transformer
       Engine's names (`self_attention.linear_qkv.layer_norm_weight` is `input_layernorm.weight`,
       `mlp.linear_fc1.layer_norm_weight` is `pre_mlp_layernorm.weight`). One layer is read as the
-      region [i:i+1] of the stacked tensor, so only that layer's chunks are read, in any order.
+      region [i:i+1] of the stacked tensor, so only that layer's chunks are read, in any order. A model
+      whose layers differ (mixture of experts with --moe-layer-freq other than 1) is saved per layer
+      instead: `decoder.layers.<i>.<name>`. megatron-core saves a layer's routed experts stacked too:
+      `mlp.experts.experts.linear_fc1.weight` [num_experts, ...] (after the layer dimension when layers
+      are stacked), read here as `mlp.experts.local_experts.<e>.linear_fc1.weight`, e global.
   fsdp_dtensor (ZeRO-2): `model.<state dict name>` with global layer numbers, in uneven row shards; a
       tied output layer's copy on the last pipeline stage is stored too and is left out here. These
       are Megatron-FSDP's fp32 main weights: a bf16 run's checkpoint reads as float32 (torch_dist saves
@@ -49,6 +53,9 @@ STACKED = ("decoder.layers.", "encoder.layers.")  # GPTModel's, BertModel's
 TE_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
             "mlp.linear_fc1.layer_norm_": "pre_mlp_layernorm."}
 _LAYER = re.compile(r"^((?:decoder|encoder)\.layers\.)(\d+)\.(.+)$")
+# optimizer state: megatron-core's ChainedOptimizer (experts apart, EP > 1 or ETP != TP) saves chained_<n>.optimizer.*
+_OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")
+STACKED_EXPERTS = "mlp.experts.experts."  # a layer's routed experts, stacked along a leading expert dimension
 
 
 def local_norm_name(name: str) -> str:
@@ -177,9 +184,10 @@ class MegatronCheckpointReader(TensorIndex):  # keys(): embedding, layers 0..L-1
         """True when the output layer shares the word embedding (then there is no `output_layer.weight`)."""
         return not self.config.get("untie_embeddings_and_output_weights", False)
 
-    def _index(self) -> Dict[str, Tuple[str, Optional[int]]]:
-        """global name -> (checkpoint key, layer of a stacked key or None), in the model's order."""
-        where: Dict[str, Tuple[str, Optional[int]]] = {}
+    def _index(self) -> Dict[str, Tuple[str, Tuple[int, ...]]]:
+        """global name -> (checkpoint key, indices into its leading stacked dimensions: layer and/or expert),
+        in the model's order."""
+        where: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
         for key, md in self._metadata.state_dict_metadata.items():
             if not isinstance(md, TensorStorageMetadata) or "_extra_state" in key:
                 continue
@@ -190,9 +198,12 @@ class MegatronCheckpointReader(TensorIndex):  # keys(): embedding, layers 0..L-1
                 m = _LAYER.match(name)
                 if m:
                     name = f"{m.group(1)}{m.group(2)}.{local_norm_name(m.group(3))}"
-                where[name] = (key, None)
-            elif key.startswith("optimizer."):
+                where[name] = (key, ())
+            elif _OPTIMIZER.match(key):
                 continue
+            elif _LAYER.match(key):  # saved per layer (layers of different kinds)
+                m = _LAYER.match(key)
+                self._add_layer(where, key, md, f"{m.group(1)}{m.group(2)}.", local_norm_name(m.group(3)), ())
             elif key.startswith(STACKED):
                 if md.size[0] != self.num_layers:
                     raise CheckpointError(f"{self.path}: {key} stacks {md.size[0]} layers, the stored configuration "
@@ -200,9 +211,9 @@ class MegatronCheckpointReader(TensorIndex):  # keys(): embedding, layers 0..L-1
                 stack = next(p for p in STACKED if key.startswith(p))
                 rest = local_norm_name(key[len(stack):])
                 for i in range(self.num_layers):
-                    where[f"{stack}{i}.{rest}"] = (key, i)
+                    self._add_layer(where, key, md, f"{stack}{i}.", rest, (i,))
             else:
-                where[key] = (key, None)
+                where[key] = (key, ())
         if self.tied:
             where.pop("output_layer.weight", None)  # the last stage's copy of the embedding (fsdp_dtensor, PP > 1)
         if "embedding.word_embeddings.weight" not in where and "output_layer.weight" not in where:
@@ -211,25 +222,39 @@ class MegatronCheckpointReader(TensorIndex):  # keys(): embedding, layers 0..L-1
         self._check_layers(where)
         return dict(sorted(where.items(), key=lambda kv: _order(kv[0])))
 
+    def _add_layer(self, where: Dict, key: str, md: TensorStorageMetadata, layer: str, rest: str,
+                   index: Tuple[int, ...]) -> None:
+        """One layer's tensor `rest` of checkpoint `key` (at `index` in its stacked dimensions); stacked
+        experts become one global name per expert."""
+        if not rest.startswith(STACKED_EXPERTS):
+            where[layer + rest] = (key, index)
+            return
+        experts = md.size[len(index)]
+        if experts != self.config.get("num_experts"):
+            raise CheckpointError(f"{self.path}: {key} holds {experts} experts, the stored configuration says "
+                                  f"num_experts={self.config.get('num_experts')}; the checkpoint is inconsistent")
+        for e in range(experts):
+            where[f"{layer}mlp.experts.local_experts.{e}.{rest[len(STACKED_EXPERTS):]}"] = (key, index + (e,))
+
     def _check_layers(self, where: Dict) -> None:
         layers = {int(m.group(2)) for m in map(_LAYER.match, where) if m}
         if layers and layers != set(range(self.num_layers)):
             raise CheckpointError(f"{self.path}: the checkpoint has layers {sorted(layers)}, the stored configuration "
                                   f"says num_layers={self.num_layers}; the checkpoint is incomplete or inconsistent")
 
-    def _lookup(self, name: str) -> Tuple[str, Optional[int], TensorStorageMetadata]:
+    def _lookup(self, name: str) -> Tuple[str, Tuple[int, ...], TensorStorageMetadata]:
         if name not in self._where:
             tied = " (the output layer is tied to embedding.word_embeddings.weight)" if name == "output_layer.weight" \
                 and self.tied else ""
             raise CheckpointError(f"no tensor {name!r} in {self.path} ({self.format}){tied}; keys() lists the "
                                   f"{len(self._where)} global names it has")
-        key, layer = self._where[name]
-        return key, layer, self._metadata.state_dict_metadata[key]
+        key, index = self._where[name]
+        return key, index, self._metadata.state_dict_metadata[key]
 
     def shape_of(self, name: str) -> List[int]:
         """The full shape of `name` (from the metadata; nothing is read)."""
-        _, layer, md = self._lookup(name)
-        return list(md.size[1:] if layer is not None else md.size)
+        _, index, md = self._lookup(name)
+        return list(md.size[len(index):])
 
     def dtype_of(self, name: str) -> torch.dtype:
         """The dtype `name` was saved in (bf16 runs save bf16 weights in torch_dist; see the module docstring)."""
@@ -237,17 +262,17 @@ class MegatronCheckpointReader(TensorIndex):  # keys(): embedding, layers 0..L-1
 
     def get(self, name: str) -> torch.Tensor:
         """The full tensor `name`, read from the checkpoint's chunks that hold it (and only those)."""
-        key, layer, md = self._lookup(name)
+        key, index, md = self._lookup(name)
         shape = list(md.size)
         offsets = [0] * len(shape)
-        if layer is not None:
-            offsets[0], shape[0] = layer, 1
+        for dim, i in enumerate(index):  # one layer / one expert of a stacked tensor: a region of size 1 there
+            offsets[dim], shape[dim] = i, 1
         buffer = torch.empty(shape, dtype=md.properties.dtype)
         with warnings.catch_warnings():  # dcp.load warns on every call that no process group is used: intended
             warnings.simplefilter("ignore", UserWarning)
             dcp.load({key: buffer}, storage_reader=self._storage, planner=_RegionPlanner(key, offsets, buffer),
                      no_dist=True)
-        return buffer[0] if layer is not None else buffer
+        return buffer.reshape(shape[len(index):])
 
 
 def _order(name: str) -> Tuple:
@@ -261,6 +286,7 @@ def _order(name: str) -> Tuple:
         steps = ("input_layernorm.", "self_attention.", "post_attention_layernorm.", "pre_mlp_layernorm.", "mlp.",
                  "post_mlp_layernorm.")
         part = next((i for i, p in enumerate(steps) if rest.startswith(p)), len(steps))
-        return 1, int(m.group(2)), part, rest, leaf_rank, leaf
+        expert = re.search(r"\.local_experts\.(\d+)\.", rest)  # experts by number: 2 before 10
+        return 1, int(m.group(2)), part, int(expert.group(1)) if expert else -1, rest, leaf_rank, leaf
     group = 0 if name.startswith("embedding.") else 3 if name.startswith(("output_layer.", "lm_head.")) else 2
-    return group, 0, 0, "", leaf_rank, ""  # ties keep the checkpoint's order (word before position embeddings)
+    return group, 0, 0, -1, "", leaf_rank, ""  # ties keep the checkpoint's order (word before position embeddings)

@@ -20,10 +20,19 @@ def _engine_config(args, extra: List[str]):
     from megatron_patch.config import parse_args
 
     flags = ["--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--eval-iters", "0",
-             "--tensor-model-parallel-size", str(args.tp), "--pipeline-model-parallel-size", str(args.pp), *extra]
+             "--tensor-model-parallel-size", str(args.tp), "--pipeline-model-parallel-size", str(args.pp),
+             "--expert-model-parallel-size", str(args.ep), *(["--expert-tensor-parallel-size", str(args.etp)]
+                                                            if args.etp else []), *extra]
     cfg = parse_args(flags)
     cfg.seq_length = min(cfg.max_position_embeddings or args.seq, args.seq)
     return cfg
+
+
+def _moe_layout(cfg) -> None:
+    """megatron-core builds a tensor-parallel MoE layer only with sequence parallelism (validate() says so for
+    training); it changes how activations are split, not the weights, so the conversion turns it on."""
+    if cfg.num_experts and cfg.tensor_model_parallel_size > 1:
+        cfg.sequence_parallel = True
 
 
 def _hf_model(hf_dir: str):
@@ -48,6 +57,7 @@ def hf2mcore(args) -> int:
     precision = {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(args.hf_dtype, [])  # exact: no rounding
     cfg = _engine_config(args, ["--load-hf", args.load_dir, "--save", args.save_dir, *precision,
                                 "--make-vocab-size-divisible-by", str(args.make_vocab_size_divisible_by)])
+    _moe_layout(cfg)
     initialize(cfg)
     model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
     info = model_info(cfg, cfg.model_vocab_size)
@@ -75,6 +85,7 @@ def verify_checkpoint(args) -> int:
     cfg.model_vocab_size, cfg.padded_vocab_size = info["vocab_size"], info["padded_vocab_size"]
     cfg.vocab_size = cfg.model_vocab_size  # the random tokens of --mock-data, unused here
     cfg.seq_length = min(cfg.max_position_embeddings or args.seq, args.seq)
+    _moe_layout(cfg)
     initialize(cfg)
     model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
     get = reader.get
@@ -103,6 +114,8 @@ def main(argv=None) -> int:
     p.add_argument("--hf-dir")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int)
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--hf-dtype")

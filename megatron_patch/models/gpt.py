@@ -110,6 +110,8 @@ def moe_config(cfg: Config) -> dict:
         moe_layer_freq=cfg.moe_layer_freq,
         moe_router_topk=cfg.moe_router_topk,
         moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+        moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
+        moe_shared_expert_gate=cfg.moe_shared_expert_gate,
         moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
         moe_aux_loss_coeff=cfg.moe_aux_loss_coeff,
         moe_z_loss_coeff=cfg.moe_z_loss_coeff,
@@ -130,7 +132,7 @@ def moe_config(cfg: Config) -> dict:
 
 def is_moe_layer(cfg: Config, layer: int) -> bool:
     """Whether global layer `layer` (from 0) has an MoELayer (megatron-core's moe_layer_freq rule)."""
-    return bool(cfg.num_experts) and layer % cfg.moe_layer_freq == 0
+    return layer in cfg.moe_layers()
 
 
 def layer_spec(cfg: Config, moe: bool = False) -> ModuleSpec:

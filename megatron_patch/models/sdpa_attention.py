@@ -7,7 +7,6 @@ kernels on GPU and to a fused CPU kernel otherwise. Grouped-query attention is h
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
 from megatron.core.transformer.dot_product_attention import DotProductAttention

@@ -375,7 +375,11 @@ class Trainer:
         cfg = self.cfg
         if not cfg.num_experts:
             return ""
-        return (f" | MoE {cfg.num_experts} experts top-{cfg.moe_router_topk} every {cfg.moe_layer_freq} layer(s), "
+        where = (f"every {cfg.moe_layer_freq} layer(s)" if isinstance(cfg.moe_layer_freq, int)
+                 else f"in layers {cfg.moe_layers()}")
+        shared = (f" + a shared expert ({cfg.moe_shared_expert_intermediate_size}"
+                  f"{', gated' if cfg.moe_shared_expert_gate else ''})" if cfg.moe_shared_expert_intermediate_size else "")
+        return (f" | MoE {cfg.num_experts} experts top-{cfg.moe_router_topk}{shared} {where}, "
                 f"{cfg.moe_token_dispatcher_type} dispatcher, EP {cfg.expert_model_parallel_size} ETP "
                 f"{cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size} expert-DP {cfg.expert_data_parallel_size}")
 

@@ -74,8 +74,7 @@ class MoEMetrics:
         # Routers are replicated over DP (expert parallelism is carved out of DP) and split over PP stages.
         counts = counts.clone()
         dist.all_reduce(counts)
-        moe_layers = [i for i in range(cfg.num_layers) if i % cfg.moe_layer_freq == 0]
-        per_layer = counts[moe_layers]
+        per_layer = counts[cfg.moe_layers()]
         out["moe_tokens_per_expert"] = [[int(x) for x in row] for row in per_layer.tolist()]
         mean = per_layer.double().mean(dim=1).clamp(min=1)
         out["moe_max_load"] = float((per_layer.max(dim=1).values / mean).max())

@@ -8,10 +8,12 @@ from types import ModuleType
 from typing import Dict
 
 from ..mapping import ConversionError
-from . import bert, gpt2, llama
+from . import bert, gpt2, llama, mixtral, qwen2_moe
 
-BY_MODEL_TYPE: Dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama, "bert": bert}
-ENGINE_FAMILY = {"gpt2": "gpt", "gpt": "gpt", "llama": "llama", "qwen2": "qwen2", "mistral": "mistral", "bert": "bert"}
+BY_MODEL_TYPE: Dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama,
+                                        "mixtral": mixtral, "qwen2_moe": qwen2_moe, "bert": bert}
+ENGINE_FAMILY = {"gpt2": "gpt", "gpt": "gpt", "llama": "llama", "qwen2": "qwen2", "mistral": "mistral",
+                 "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "bert": "bert"}
 
 
 def for_model_type(model_type: str) -> ModuleType:
@@ -22,13 +24,18 @@ def for_model_type(model_type: str) -> ModuleType:
 
 
 def for_engine(cfg) -> ModuleType:
-    """The table of an engine model: by --model-family, else by its architecture (SwiGLU + RMSNorm + RoPE)."""
+    """The table of an engine model: by --model-family, else by its architecture (SwiGLU + RMSNorm + RoPE;
+    with experts: a shared expert makes it Qwen2-MoE, none Mixtral)."""
     g = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
     family = g("model_family")
     if family == "bert":
         return bert
     if family in ("gpt", "gpt2"):
         return gpt2
+    if family in ("mixtral", "qwen2_moe"):
+        return BY_MODEL_TYPE[family]
+    if g("num_experts") and g("swiglu") and g("normalization") == "RMSNorm":
+        return qwen2_moe if g("moe_shared_expert_intermediate_size") else mixtral
     if family in ("llama", "qwen2", "mistral"):
         return llama
     return llama if g("swiglu") and g("normalization") == "RMSNorm" else gpt2
