@@ -5,9 +5,11 @@
             The model is built in the target layout by TP x PP worker processes (started here, CPU,
             gloo), each loading only its slice, one tensor at a time.
   mcore2hf  any engine checkpoint (any TP/PP/VPP, ZeRO-0/1/2) -> config.json + safetensors (sharded
-            above --max-shard-size) + tokenizer files, loadable with AutoModelForCausalLM.from_pretrained.
+            above --max-shard-size) + tokenizer files, loadable with AutoModelForCausalLM.from_pretrained
+            (BERT: BertForPreTraining / BertForMaskedLM).
 
-`--verify` runs both models on the same token batches and fails unless the logits agree (see verify.py).
+`--verify` runs both models on the same token batches and fails unless the logits agree (see verify.py;
+BERT: hidden states and heads, verify_bert.py).
 """
 from __future__ import annotations
 
