@@ -89,5 +89,5 @@ def test_unsupported_config_is_refused_in_words():
     config, _ = _hf_model("llama", **SMALL["llama"], rope_scaling={"rope_type": "linear", "factor": 2.0})
     with pytest.raises(ConversionError, match="rope type 'linear'"):
         tables.for_model_type("llama").engine_args(config.to_dict())
-    with pytest.raises(ConversionError, match="model_type 'bert'"):
-        tables.for_model_type("bert")
+    with pytest.raises(ConversionError, match="model_type 't5'"):
+        tables.for_model_type("t5")

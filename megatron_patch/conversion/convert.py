@@ -7,9 +7,11 @@
             (Mixtral, Qwen2-MoE) also takes an expert layout (EP, ETP): then PP x lcm(TP, EP x ETP)
             processes, the experts carved out of data parallelism as in training.
   mcore2hf  any engine checkpoint (any TP/PP/VPP, ZeRO-0/1/2) -> config.json + safetensors (sharded
-            above --max-shard-size) + tokenizer files, loadable with AutoModelForCausalLM.from_pretrained.
+            above --max-shard-size) + tokenizer files, loadable with AutoModelForCausalLM.from_pretrained
+            (BERT: BertForPreTraining / BertForMaskedLM).
 
-`--verify` runs both models on the same token batches and fails unless the logits agree (see verify.py).
+`--verify` runs both models on the same token batches and fails unless the logits agree (see verify.py;
+BERT: hidden states and heads, verify_bert.py).
 """
 from __future__ import annotations
 

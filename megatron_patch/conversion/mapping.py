@@ -81,9 +81,11 @@ class Table:
         return out
 
     def unbuilt(self, options: Dict[str, bool], num_layers: int) -> List[Rule]:
-        """The rules of optional parts that this model does not build (their `when` is false)."""
+        """The rules of the optional parts that this model does not build at all (every rule's `when` false; a
+        part with one rule off, such as the untied output layer of a tied MLM head, is built)."""
+        built = {r.part for r in self.expand(options, num_layers)}
         return [r for r in self.expand({k: True for k in options}, num_layers)
-                if r.part is not None and r.when is not None and not options[r.when]]
+                if r.part is not None and r.part not in built]
 
     def rules_for(self, cfg) -> List[Rule]:
         """`expand` for the model of an engine Config."""
