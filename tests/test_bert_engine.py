@@ -96,6 +96,22 @@ def test_resume_is_exact(reference, bert_flags, tmp_path):
         assert per_iteration(lines, key) == pytest.approx(want, rel=1e-6), key
 
 
+@pytest.mark.slow
+def test_zero2_trains_like_one_process_and_resumes_exactly(reference, bert_flags, tmp_path):
+    """DP2 ZeRO-2 (Megatron-FSDP, its own checkpoint format naming BertModel's encoder layers): the single
+    process's iterations, and a resume from iteration 3 continues them."""
+    zero2 = ["--zero-2-memory-optimization"]
+    lines, _ = run_bert(tmp_path / "s", 2, bert_flags, *zero2, "--save", str(tmp_path / "ck"), "--save-interval", "3")
+    assert_same_run(lines, reference[0])
+    shutil.rmtree(tmp_path / "ck" / "iter_0000006")
+    (tmp_path / "ck" / "latest_checkpointed_iteration.txt").write_text("3")
+    resumed, proc = run_bert(tmp_path / "r", 2, bert_flags, *zero2, "--load", str(tmp_path / "ck"))
+    assert "(iteration 3)" in proc.stdout
+    for key in ("lm_loss", "sop_loss", "grad_norm"):
+        want = [x[key] for x in lines if key in x and x["iteration"] > 3]
+        assert per_iteration(resumed, key) == pytest.approx(want, rel=1e-6), key
+
+
 @pytest.mark.slow  # CI time (10 s); the forward-step test covers the loss without NSP logits
 def test_no_binary_head_trains_masked_lm_only(reference, bert_flags, tmp_path):
     flags = list(bert_flags)

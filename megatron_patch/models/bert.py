@@ -19,7 +19,6 @@ from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state as mpu
 from megatron.core.models.bert.bert_model import BertModel
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.enums import AttnMaskType
@@ -30,7 +29,7 @@ from megatron_patch.compat.post_layernorm import (drop_final_layernorm, norm_bef
                                                   post_layernorm_transformer_layer)
 from megatron_patch.config import Config, ConfigError
 
-from .gpt import build_transformer_config, padded_vocab_size, resolve_attention_backend
+from .gpt import build_transformer_config, mask_vocab_padding, padded_vocab_size, resolve_attention_backend
 from .norm import SequenceParallelNorm
 from .sdpa_attention import SDPAttention
 
@@ -104,12 +103,7 @@ class BertModelWithVocab(BertModel):
         return super().forward(input_ids, attention_mask, tokentype_ids, lm_labels, *args, **kwargs)
 
     def compute_language_model_loss(self, labels, logits):
-        local = logits.size(-1)  # this TP rank's slice of the padded vocabulary
-        first = mpu.get_tensor_model_parallel_rank() * local
-        cut = min(max(self.true_vocab_size - first, 0), local)
-        if cut < local:
-            logits[..., cut:] = float("-inf")  # not saved for backward by the output layer: safe in place
-        return super().compute_language_model_loss(labels, logits)
+        return super().compute_language_model_loss(labels, mask_vocab_padding(logits, self.true_vocab_size))
 
 
 def build_bert_model(cfg: Config, vocab_size: int, pre_process: bool = True, post_process: bool = True,

@@ -163,12 +163,18 @@ class GPTModelWithVocab(GPTModel):
         self.true_vocab_size = true_vocab_size
 
     def compute_language_model_loss(self, labels, logits):
-        local = logits.size(-1)  # this TP rank's slice of the padded vocabulary
-        first = mpu.get_tensor_model_parallel_rank() * local
-        cut = min(max(self.true_vocab_size - first, 0), local)
-        if cut < local:
-            logits[..., cut:] = float("-inf")  # not saved for backward by the output layer: safe in place
-        return super().compute_language_model_loss(labels, logits)
+        return super().compute_language_model_loss(labels, mask_vocab_padding(logits, self.true_vocab_size))
+
+
+def mask_vocab_padding(logits: torch.Tensor, true_vocab_size: int) -> torch.Tensor:
+    """`logits` (this TP rank's slice of the padded vocabulary, last dimension) with the padding rows' logits
+    set to -inf in place, so the cross entropy runs over the real vocabulary only."""
+    local = logits.size(-1)
+    first = mpu.get_tensor_model_parallel_rank() * local
+    cut = min(max(true_vocab_size - first, 0), local)
+    if cut < local:
+        logits[..., cut:] = float("-inf")  # not saved for backward by the output layer: safe in place
+    return logits
 
 
 def build_gpt_model(cfg: Config, vocab_size: int, pre_process: bool = True, post_process: bool = True,

@@ -28,10 +28,12 @@ OPT_METADATA = {"distrib_optim_sharding_type": "fsdp_dtensor"}
 
 
 def _global_layer_names(chunk) -> Callable[[str], str]:
-    layers = unwrap(chunk).decoder.layers
+    model = unwrap(chunk)
+    stack = "decoder" if hasattr(model, "decoder") else "encoder"  # GPTModel's layers, BertModel's
+    layers = getattr(model, stack).layers
     offsets = {i: layer.layer_number - 1 for i, layer in enumerate(layers)}
-    pattern = re.compile(r"decoder\.layers\.(\d+)\.")
-    return lambda name: pattern.sub(lambda m: f"decoder.layers.{offsets[int(m.group(1))]}.", name, count=1)
+    pattern = re.compile(rf"{stack}\.layers\.(\d+)\.")
+    return lambda name: pattern.sub(lambda m: f"{stack}.layers.{offsets[int(m.group(1))]}.", name, count=1)
 
 
 def _rename_param_keys(optimizer_state: Dict, rename: Callable[[str], str]) -> Dict:
