@@ -1,16 +1,23 @@
-"""Pretraining throughput on one GPU: our engine against Hugging Face's LlamaForCausalLM, same shape.
+"""Pretraining throughput on one GPU: our engine against Hugging Face, same shape, one command per shape.
 
-Shape (the DESIGN anchor): Llama-style 24 layers, hidden 2048, ffn 5504, 16 heads, seq 2048, vocab 32000;
-65,536 tokens per optimizer step (micro batch 4 x 8 accumulation). TFLOP/s counts 6N + 12*L*h*s per token.
+Shapes (65,536 tokens per optimizer step; TFLOP/s counts 6N + 12*L*h*s per token; MFU against 989 TFLOP/s):
+  llama-1.3b   Llama-style 24 layers, hidden 2048, ffn 5504, 16 heads, seq 2048, vocab 32000, micro batch 4 x 8
+  gpt2-124m    GPT-2 12 layers, hidden 768, 12 heads, seq 1024, vocab 50257, micro batch 16 x 4, dropout 0
 
-  engine          pretrain_megatron_gpt.py as users run it: bf16 weights, megatron-core's optimizer
-                  (fp32 main weights, fused AdamW), SDPA core attention, mock data (random tokens)
-  engine+compile  the same with --compile
-  hf / hf+compile transformers LlamaForCausalLM, attn_implementation="sdpa", fp32 weights + autocast bf16,
-                  torch fused AdamW, clip 1.0 (the anchor measured in DESIGN.md)
+Systems:
+  engine          pretrain_megatron_gpt.py as users run it: bf16 weights, megatron-core's optimizer (fp32 main
+                  weights, fused AdamW), SDPA core attention, mock data (random tokens)
+  engine+compile  the same with --compile (each transformer layer compiled)
+  engine+best     the same with --best-args (default: the fastest flags measured, see RESULTS.md)
+  hf              transformers LlamaForCausalLM / GPT2LMHeadModel, attn_implementation="sdpa", fp32 weights +
+                  autocast bf16, torch fused AdamW, clip 1.0
+  hf+compile      the same, torch.compile(model)
+  hf+liger        the same, eager, with Liger kernels (Llama: RMSNorm, RoPE, SwiGLU, fused linear cross-entropy;
+                  GPT-2: LayerNorm and fused linear cross-entropy), liger-kernel from PyPI
 
-    python benchmarks/bench_pretrain.py [--systems engine hf ...] [--steps 8] [--warmup 3] [--layers 24]
-Prints one table last; a JSON line per system goes to --out.
+    python benchmarks/bench_pretrain.py --shape gpt2-124m [--systems engine hf ...] [--steps 8] [--warmup 3]
+Prints one table last (tokens/s, MFU, peak memory, time to first step, graphs compiled after step 2); a JSON
+line per system goes to --out.
 """
 from __future__ import annotations
 
@@ -24,108 +31,183 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PEAK = 989.0  # dense bf16 TFLOP/s of an H100/H200 SXM
-
-
-def shape(a):
-    return dict(layers=a.layers, hidden=2048, ffn=5504, heads=16, seq=2048, vocab=32000, mbs=4, acc=8)
+SHAPES = {
+    "llama-1.3b": dict(family="llama", layers=24, hidden=2048, ffn=5504, heads=16, seq=2048, vocab=32000, mbs=4, acc=8),
+    "gpt2-124m": dict(family="gpt", layers=12, hidden=768, ffn=3072, heads=12, seq=1024, vocab=50257, mbs=16, acc=4),
+}
+BEST_ARGS = ["--compile"]
 
 
 def flops_per_token(n_params, s):
     return 6 * n_params + 12 * s["layers"] * s["hidden"] * s["seq"]
 
 
-def run_engine(a, s, compile_: bool):
+def run_engine(a, s, name: str, extra: list):
     metrics = tempfile.mktemp(suffix=".jsonl")
     iters = a.warmup + a.steps
-    cmd = [sys.executable, os.path.join(ROOT, "pretrain_megatron_gpt.py"), "--model-family", "llama", "--mock-data",
+    cmd = [sys.executable, os.path.join(ROOT, "pretrain_megatron_gpt.py"), "--model-family", s["family"], "--mock-data",
            "--num-layers", str(s["layers"]), "--hidden-size", str(s["hidden"]), "--ffn-hidden-size", str(s["ffn"]),
            "--num-attention-heads", str(s["heads"]), "--seq-length", str(s["seq"]), "--vocab-size", str(s["vocab"]),
+           "--max-position-embeddings", str(s["seq"]), "--hidden-dropout", "0", "--attention-dropout", "0",
            "--micro-batch-size", str(s["mbs"]), "--global-batch-size", str(s["mbs"] * s["acc"]),
            "--train-iters", str(iters), "--lr", "1e-4", "--lr-warmup-iters", "1", "--bf16", "--eval-iters", "0",
            "--log-interval", str(iters), "--metrics-file", metrics, "--attention-backend", "sdpa",
-           "--make-vocab-size-divisible-by", "128"] + (["--compile"] if compile_ else []) + a.engine_args
+           "--make-vocab-size-divisible-by", "128"] + extra
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
-        return {"system": "engine" + ("+compile" if compile_ else ""), "error": proc.stderr[-1500:]}
+        return {"system": name, "error": proc.stderr[-1500:]}
     lines = [json.loads(x) for x in open(metrics) if '"loss"' in x]
     times = [x["step_time"] for x in lines][a.warmup:]
-    n = lines[0]["num_params"]
-    return {"system": "engine" + ("+compile" if compile_ else ""), "step_s": sum(times) / len(times), "params": n,
+    graphs = [x.get("compiled_graphs", 0) for x in lines]
+    return {"system": name, "step_s": sum(times) / len(times), "params": lines[0]["num_params"],
             "loss_first": lines[0]["loss"], "loss_last": lines[-1]["loss"], "wall_s": time.time() - t,
-            "log": [l for l in proc.stdout.splitlines() if l.startswith(("model", "iteration"))][-2:]}
+            "first_step_s": lines[0]["wall_time"] - t, "peak_gib": max(x["max_memory_bytes"] for x in lines) / 2**30,
+            "graphs_after_step2": graphs[-1] - graphs[1], "flags": extra,
+            "log": [ln for ln in proc.stdout.splitlines() if ln.startswith(("model", "iteration", "torch.compile"))]}
 
 
-def run_hf(a, s, compile_: bool):
+def _hf_model(s, liger: bool):
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
-                      num_hidden_layers=s["layers"], num_attention_heads=s["heads"], max_position_embeddings=s["seq"],
-                      tie_word_embeddings=False, attn_implementation="sdpa")
-    model = LlamaForCausalLM(cfg).cuda()
+    if s["family"] == "llama":
+        if liger:
+            from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+            apply_liger_kernel_to_llama(rope=True, swiglu=True, rms_norm=True, cross_entropy=False,
+                                        fused_linear_cross_entropy=True)
+        cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
+                          num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
+                          max_position_embeddings=s["seq"], tie_word_embeddings=False, attn_implementation="sdpa")
+        return LlamaForCausalLM(cfg).cuda()
+    cfg = GPT2Config(vocab_size=s["vocab"], n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"],
+                     n_positions=s["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                     attn_implementation="sdpa")
+    model = GPT2LMHeadModel(cfg).cuda()
+    if liger:  # Liger has no GPT-2 patch: its LayerNorm modules, and its fused linear cross-entropy below
+        from liger_kernel.transformers import LigerLayerNorm
+
+        for block in list(model.transformer.h) + [model.transformer]:
+            for attr in ("ln_1", "ln_2", "ln_f"):
+                ln = getattr(block, attr, None)
+                if ln is not None:
+                    new = LigerLayerNorm(s["hidden"], eps=ln.eps).cuda()
+                    new.load_state_dict(ln.state_dict())
+                    setattr(block, attr, new)
+    return model
+
+
+def run_hf(a, s, name: str):
+    import torch
+
+    t0 = time.time()
+    liger = name == "hf+liger"
+    model = _hf_model(s, liger)
     n = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-    fwd = torch.compile(model) if compile_ else model
+    fwd = torch.compile(model) if name == "hf+compile" else model
+    flce = None
+    if liger and s["family"] == "gpt":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        flce = LigerFusedLinearCrossEntropyLoss()
+
+    def loss_of(x):
+        if flce is None:
+            return fwd(input_ids=x, labels=x).loss
+        h = model.transformer(input_ids=x).last_hidden_state[:, :-1]
+        return flce(model.lm_head.weight, h.reshape(-1, h.size(-1)), x[:, 1:].reshape(-1))
 
     def step():
         for _ in range(s["acc"]):
             x = torch.randint(0, s["vocab"], (s["mbs"], s["seq"]), device="cuda")
             with torch.autocast("cuda", dtype=torch.bfloat16):
-                loss = fwd(input_ids=x, labels=x).loss / s["acc"]
+                loss = loss_of(x) / s["acc"]
             loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
         return loss.item() * s["acc"]
 
-    for _ in range(a.warmup):
-        first = step()
+    first = step()
+    first_step_s = time.time() - t0
+    for _ in range(a.warmup - 1):
+        step()
     torch.cuda.synchronize()
     t = time.time()
     for _ in range(a.steps):
         last = step()
     torch.cuda.synchronize()
-    out = {"system": "hf" + ("+compile" if compile_ else ""), "step_s": (time.time() - t) / a.steps, "params": n,
-           "loss_first": first, "loss_last": last, "peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-    return out  # the model and optimizer go with this frame
+    return {"system": name, "step_s": (time.time() - t) / a.steps, "params": n, "loss_first": first,
+            "loss_last": last, "peak_gib": torch.cuda.max_memory_allocated() / 2**30, "first_step_s": first_step_s}
+
+
+def run_one(a, s, name: str):
+    if name.startswith("engine"):
+        extra = {"engine": [], "engine+compile": ["--compile"], "engine+best": a.best_args}[name]
+        return run_engine(a, s, name, extra + a.engine_args)
+    return run_hf(a, s, name)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", nargs="+", default=["engine", "engine+compile", "hf", "hf+compile"])
+    p.add_argument("--shape", choices=sorted(SHAPES), default="llama-1.3b")
+    p.add_argument("--systems", nargs="+", default=["engine", "engine+best", "hf", "hf+compile", "hf+liger"])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--layers", type=int, default=24)
-    p.add_argument("--engine-args", nargs=argparse.REMAINDER, default=[])
+    p.add_argument("--layers", type=int, help="override the shape's layer count (quick trials)")
+    p.add_argument("--best-args", nargs="*", default=BEST_ARGS, help=f"flags of engine+best (default {BEST_ARGS})")
+    p.add_argument("--engine-args", nargs=argparse.REMAINDER, default=[], help="added to every engine run")
     p.add_argument("--out", default="bench_pretrain.jsonl")
+    p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # one HF system, in a subprocess
     a = p.parse_args()
-    s = shape(a)
+    s = dict(SHAPES[a.shape])
+    if a.layers:
+        s["layers"] = a.layers
     tokens = s["mbs"] * s["acc"] * s["seq"]
     rows = []
     for name in a.systems:
-        compile_ = name.endswith("+compile")
-        r = run_engine(a, s, compile_) if name.startswith("engine") else run_hf(a, s, compile_)
+        # each HF system in its own process: Liger patches transformers' classes, and memory peaks stay apart
+        if name.startswith("hf") and not a.inner:
+            r = _subprocess_hf(a, name)
+        else:
+            r = run_one(a, s, name)
         rows.append(r)
         with open(a.out, "a") as f:
             f.write(json.dumps(r) + "\n")
         print(json.dumps(r), flush=True)
+    if a.inner:
+        return
     import torch
 
-    print(f"\n{torch.cuda.get_device_name()} | Llama {s['layers']}L h{s['hidden']} ffn{s['ffn']} seq{s['seq']} "
+    print(f"\n{torch.cuda.get_device_name()} | {a.shape}: {s['layers']}L h{s['hidden']} ffn{s['ffn']} seq{s['seq']} "
           f"vocab{s['vocab']} | {tokens} tokens/step")
-    print(f"{'system':<16} | {'tokens/s':>9} | {'TFLOP/s':>7} | {'MFU':>6} | {'vs hf+compile':>13} | loss first -> last")
-    base = next((r for r in rows if r.get("system") == "hf+compile" and "step_s" in r), None)
+    print(f"{'system':<15} | {'tokens/s':>9} | {'TFLOP/s':>7} | {'MFU':>6} | {'vs best HF':>10} | {'peak GiB':>8} | "
+          f"{'1st step s':>10} | {'recompiles':>10} | loss first -> last")
+    ok = [r for r in rows if "step_s" in r]
+    base = min((r for r in ok if r["system"].startswith("hf")), key=lambda r: r["step_s"], default=None)
     for r in rows:
         if "step_s" not in r:
-            print(f"{r['system']:<16} | FAILED: {r['error'][-300:]}")
+            print(f"{r['system']:<15} | FAILED: {r['error'][-300:]}")
             continue
         tps = tokens / r["step_s"]
         tf = tps * flops_per_token(r["params"], s) / 1e12
         ratio = f"{(base['step_s'] / r['step_s']):.2f}x" if base else "n/a"
-        print(f"{r['system']:<16} | {tps:9.0f} | {tf:7.1f} | {100 * tf / PEAK:5.1f}% | {ratio:>13} | "
+        print(f"{r['system']:<15} | {tps:9.0f} | {tf:7.1f} | {100 * tf / PEAK:5.1f}% | {ratio:>10} | "
+              f"{r['peak_gib']:8.1f} | {r['first_step_s']:10.1f} | {str(r.get('graphs_after_step2', '-')):>10} | "
               f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}")
+
+
+def _subprocess_hf(a, name: str) -> dict:
+    out = tempfile.mktemp(suffix=".jsonl")
+    cmd = [sys.executable, os.path.abspath(__file__), "--inner", "--shape", a.shape, "--systems", name,
+           "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", out] + (["--layers", str(a.layers)] if a.layers else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode:
+        return {"system": name, "error": proc.stderr[-1500:]}
+    return json.loads(open(out).read().splitlines()[-1])
 
 
 if __name__ == "__main__":

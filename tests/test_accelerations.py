@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import socket
@@ -206,6 +207,7 @@ def _free_port() -> int:
 
 
 def _worker(rank: int, port: int, names: list, cases: dict, out_dir: str, world: int, gpu: bool) -> None:
+    faulthandler.enable(all_threads=True)  # a crash in native code (gloo) prints where each thread was
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     if gpu:
@@ -225,7 +227,17 @@ def _worker(rank: int, port: int, names: list, cases: dict, out_dir: str, world:
 
 
 def run_two_ranks(names, cases, tmp_path, world: int = WORLD, gpu: bool = False) -> list:
-    mp.spawn(_worker, args=(_free_port(), list(names), cases, str(tmp_path), world, gpu), nprocs=world, join=True)
+    try:
+        mp.spawn(_worker, args=(_free_port(), list(names), cases, str(tmp_path), world, gpu), nprocs=world, join=True)
+    except mp.ProcessExitedException as e:
+        # CI once saw a rank die by SIGABRT inside gloo's native code ("terminate called without an active
+        # exception") midway through these cases, never reproduced. A death by a signal is retried once, loudly;
+        # a Python error, a wrong number or a second crash still fails.
+        if e.signal_name is None:
+            raise
+        print(f"warning: a rank died by {e.signal_name} (see the traceback above); running the cases once more",
+              file=sys.stderr)
+        mp.spawn(_worker, args=(_free_port(), list(names), cases, str(tmp_path), world, gpu), nprocs=world, join=True)
     return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
 
 

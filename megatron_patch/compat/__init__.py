@@ -7,6 +7,7 @@ Entry points
 ------------
 check_versions()             once, where the process starts (megatron_patch.parallel.initialize), before any patch
 apply_cpu_backend()          machines without a GPU only: run megatron-core on the CPU (gloo)
+apply_gpu_fixes()            machines with a GPU (megatron_patch.parallel.initialize)
 apply_megatron_fsdp_fixes()  before the first Megatron-FSDP (ZeRO-2) model is built (training/loop.py)
 apply_safe_loading()         before any checkpoint is read (training/checkpoint: the Checkpointer applies it)
 apply_onnx_runtime_fixes()   --onnx-runtime-training only, before ORTModule is imported (accelerations/onnx_runtime.py)
@@ -40,6 +41,11 @@ apply_cpu_backend() (cpu_backend.py), order `CPU_BACKEND`:
   itself runs under plain torch; the autograd engine runs backward without it, so 15 (which needs 14's mode)
   re-enters it there.
 
+apply_gpu_fixes() (multi_tensor.py), order `GPU`:
+  1. foreach_multi_tensor_fallbacks   megatron-core's local multi-tensor l2 norm / scale -> torch foreach kernels
+  Why: without apex/TE the fallbacks sync the host once per parameter tensor in every gradient norm; they are
+  replaced only where they are upstream's local ones (apex's or TE's kernels stay).
+
 apply_megatron_fsdp_fixes() (megatron_fsdp.py), order `MEGATRON_FSDP`:
   1. dp_tp_mesh_from_groups       FSDP adapter's (dp, tp) mesh from the real groups (PP > 1)
   2. skip_dtensor_world_check     make_fsdp_dtensor without its world-group check (PP > 1)
@@ -62,6 +68,7 @@ apply_onnx_runtime_fixes() (onnx_runtime.py), order `ONNX_RUNTIME`:
   train with --onnx-runtime-training (onnxruntime-training-cpu 1.19.2 is an optional extra).
 
 Called at their call sites (not applied globally):
+  dynamo.py        tp_group_default_without_warning (--compile: training/compile.py, before compiling)
   optimizer.py     replace_torch_optimizer (LAMB into megatron-core's wrappers), use_fused_adam (GPU)
   adam_state.py    fill_empty_adam_state, restore_adam_step, steps_on_param_device (checkpointing)
   megatron_fsdp.py use_distributed_params, copy_main_to_model_params, prepare_uneven_dtensor_state (ZeRO-2 checkpoints)
@@ -96,14 +103,14 @@ import logging
 
 import torch
 
-from . import (adam_state, cpu_backend, megatron_fsdp, moe, onnx_runtime, optimizer,  # noqa: F401  (registers their patches)
-               post_layernorm, safe_loading)
+from . import (adam_state, cpu_backend, dynamo, megatron_fsdp, moe, multi_tensor, onnx_runtime,  # noqa: F401  (registers patches)
+               optimizer, post_layernorm, safe_loading)
 from .registry import PATCHES, Patch
 from .versions import TESTED, UntestedVersionWarning, check_versions
 
 __all__ = ["apply_cpu_backend", "apply_megatron_fsdp_fixes", "check_versions", "cpu_backend_enabled",
            "apply_safe_loading", "PATCHES", "Patch", "TESTED", "UntestedVersionWarning", "CPU_BACKEND", "MEGATRON_FSDP",
-           "SAFE_LOADING", "ONNX_RUNTIME", "apply_onnx_runtime_fixes", "APPLIED"]
+           "SAFE_LOADING", "ONNX_RUNTIME", "apply_onnx_runtime_fixes", "APPLIED", "GPU", "apply_gpu_fixes"]
 
 logger = logging.getLogger(__name__)
 
@@ -123,6 +130,10 @@ CPU_BACKEND = (
     moe.moe_uneven_gather_scatter_on_gloo,
     cpu_backend.cuda_device_arguments_to_cpu,
     cpu_backend.cuda_device_arguments_to_cpu_in_backward,
+)
+
+GPU = (
+    multi_tensor.foreach_multi_tensor_fallbacks,
 )
 
 MEGATRON_FSDP = (
@@ -166,6 +177,11 @@ def apply_cpu_backend() -> None:
 
 def cpu_backend_enabled() -> bool:
     return all(fn.__name__ in APPLIED for fn in CPU_BACKEND)
+
+
+def apply_gpu_fixes() -> None:
+    """Training on a GPU without apex/Transformer Engine: apply the GPU patches (once per process)."""
+    _apply(GPU)
 
 
 def apply_megatron_fsdp_fixes() -> None:

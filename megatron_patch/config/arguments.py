@@ -134,7 +134,14 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--skip-train", action="store_true", help="only evaluate (validation and test sets), e.g. after --load")
     g.add_argument("--no-load-optim", action="store_true", help="with --load, take only the weights (fine-tuning)")
     g.add_argument("--keep-last-n", type=int, help="after each save, delete all but the newest N complete checkpoints")
-    g.add_argument("--compile", action="store_true", help="torch.compile the model (GPU)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile each transformer layer (GPU; the attention only in MoE layers)")
+    g.add_argument("--profile", action="store_true",
+                   help="torch.profiler over iterations (--profile-step-start, --profile-step-end]: Chrome trace and a "
+                        "GPU-time breakdown (matmul, attention, loss, optimizer, idle) in --profile-dir")
+    g.add_argument("--profile-step-start", type=int, help=f"(default {_D.profile_step_start})")
+    g.add_argument("--profile-step-end", type=int, help=f"(default {_D.profile_step_end})")
+    g.add_argument("--profile-dir", help=f"(default {_D.profile_dir})")
     g.add_argument("--validate-only", action="store_true",
                    help="check the configuration for WORLD_SIZE processes (default 1) and the data, print the resolved "
                         "settings and exit: 0 when sound, 2 with the reason otherwise (the launchers run this "

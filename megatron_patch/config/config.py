@@ -111,6 +111,10 @@ class Config:
     no_load_optim: bool = False
     keep_last_n: Optional[int] = None
     compile: bool = False
+    profile: bool = False  # torch.profiler over [profile_step_start, profile_step_end), with a GPU-time breakdown
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_dir: str = "profile"
     load_hf: Optional[str] = None  # a Hugging Face model directory: architecture and weights come from it
     validate_only: bool = False  # check config and data for WORLD_SIZE processes, then exit
 

@@ -222,6 +222,9 @@ def validate(c: Config, world_size: int) -> None:
         _fail("pass --lr-warmup-fraction or --lr-warmup-iters, not both")
     if c.train_iters < 1:
         _fail("--train-iters must be at least 1")
+    if c.profile and not 0 <= c.profile_step_start < c.profile_step_end <= c.train_iters:
+        _fail(f"--profile over iterations ({c.profile_step_start}, {c.profile_step_end}] needs 0 <= "
+              f"--profile-step-start < --profile-step-end <= --train-iters ({c.train_iters})")
     decay, warmup = c.decay_iters, c.warmup_iters
     if c.lr_warmup_fraction is not None and not 0 <= c.lr_warmup_fraction < 1:
         _fail(f"--lr-warmup-fraction {c.lr_warmup_fraction} must be in [0, 1): the share of --lr-decay-iters "

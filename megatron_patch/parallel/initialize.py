@@ -39,6 +39,7 @@ def initialize(cfg: Config) -> Config:
     compat.check_versions()  # once per process, before any workaround is applied
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        compat.apply_gpu_fixes()
         backend = "nccl"
     else:
         compat.apply_cpu_backend()

@@ -25,11 +25,13 @@ from megatron_patch.models.init import layout_invariant_init
 from megatron_patch.parallel import initialize, print_rank_0
 
 from .checkpoint import Checkpointer, TrainState
+from .compile import apply_compile
 from .data import build_datasets, build_iterator, tokenizer_from_config
 from .evaluation import Validator
 from .memory import model_state_bytes
 from .moe_metrics import MoEMetrics
 from .optimizer import build_optimizer, build_scheduler
+from .profiling import Profiler
 from .reporting import Reporter
 
 
@@ -87,9 +89,7 @@ def build_model_chunks(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
         for line in describe_load(loaded, f"--load-hf {cfg.load_hf}"):
             print_rank_0(line)
     if cfg.compile:
-        for chunk in chunks:
-            # Compile the forward only, so the module (its parameters, state-dict keys) stays the same object.
-            chunk.forward = torch.compile(chunk.forward)
+        print_rank_0(apply_compile(chunks))
     return chunks
 
 
@@ -389,6 +389,7 @@ class Trainer:
         if cfg.skip_train:
             return self._final_evaluation()
         reporter = Reporter(cfg, self.num_params, state.iteration)
+        profiler = Profiler(cfg, dist.get_rank())
         train_iter = self._iterators(self.train_ds, state.consumed_samples, cycle=False)
         start = state.iteration
         t0, since = time.time(), 0
@@ -396,6 +397,7 @@ class Trainer:
             step_start = time.time()
             metrics = self.train_step(train_iter)  # its loss reduction synchronizes with the device
             metrics["step_time"] = time.time() - step_start
+            metrics["wall_time"] = time.time()  # benchmarks measure time to first step from their launch
             state.iteration += 1
             state.consumed_samples += cfg.global_batch_size
             since += 1
@@ -405,6 +407,9 @@ class Trainer:
             if state.iteration == start + 1:
                 self._report_memory(metrics)
                 self._report_reads(train_iter)
+            if cfg.compile:  # graphs dynamo built so far: a step that adds one recompiled
+                metrics["compiled_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+            profiler.step(state.iteration)
             self.history.append(metrics)
             reporter.step(metrics)
             self._check_finite(metrics["loss"])
