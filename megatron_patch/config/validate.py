@@ -117,6 +117,10 @@ def validate_loss_fusion(c: Config) -> None:
     if c.model_family == "bert":
         _fail("--cross-entropy-loss-fusion is for GPT/Llama-family models: BERT's masked-LM head (dense, norm, output "
               "layer with a bias) keeps megatron-core's loss; drop the flag")
+    if impl == "native" and not c.bf16:
+        _fail(f"--cross-entropy-loss-fusion with --cross-entropy-fusion-impl native (the default): megatron-core's fused "
+              f"cross entropy returns the gradient of the logits in bf16, which would round this {c.params_dtype_name} "
+              f"run's gradients; use it with --bf16, or use --cross-entropy-fusion-impl linear")
     if impl == "te" and importlib.util.find_spec("transformer_engine") is None:
         _fail("--cross-entropy-fusion-impl te needs Transformer Engine, which is not installed: use linear (fused "
               "output layer and loss) or native")
