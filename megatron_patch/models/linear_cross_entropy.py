@@ -1,9 +1,9 @@
 """Fused output layer + cross entropy (`--cross-entropy-loss-fusion --cross-entropy-fusion-impl linear`).
 
 megatron-core's loss path materialises the whole logits of a micro batch: the output layer writes
-[s, b, V/tp] in bf16, `compute_language_model_loss` copies them to fp32 and the vocab-parallel cross
-entropy keeps the fp32 softmax for the backward pass. For 8192 tokens and a 32k vocabulary that is 0.5 GB +
-1 GB + 1 GB, per micro batch, of which 1 GB stays alive until the backward pass. Here the tokens go through
+[s, b, V/tp] in bf16, and the vocab-parallel cross entropy copies them to fp32 and turns that copy, in place,
+into the softmax it keeps for the backward pass. For 8192 tokens and a 32k vocabulary that is 0.5 GB + 1 GB
+per micro batch, the 1 GB held until the backward pass (which adds 0.5 GB of bf16 gradient). Here the tokens go through
 the output weight a chunk at a time: a chunk's logits live only while its softmax statistics (forward) or
 its gradient (backward) are taken, so the memory is bounded by `chunk_bytes`, whatever the micro batch.
 
@@ -140,6 +140,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
     tp = dist.get_world_size(tp_group) if tp_group is not None else 1
     rank = dist.get_rank(tp_group) if tp > 1 else 0
+    # With sequence parallelism the gathered [s, b, h] is what the backward pass keeps (megatron-core's output layer
+    # keeps its shard and gathers again): tp x h per token more, small beside the logits that are not kept.
     if sequence_parallel and tp > 1:  # all-gather now, reduce-scatter of the gradient in backward
         hidden = gather_from_sequence_parallel_region(hidden, group=tp_group)
     elif tp > 1:  # identity now, all-reduce of the gradient (each rank's vocabulary rows add to it) in backward
