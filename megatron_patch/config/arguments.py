@@ -161,6 +161,12 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
                    help=f"clean steps before the dynamic loss scale doubles (default {_D.loss_scale_window:g})")
     g.add_argument("--hysteresis", type=int,
                    help=f"overflowing steps tolerated before the dynamic loss scale halves (default {_D.hysteresis})")
+    g.add_argument("--cross-entropy-loss-fusion", action="store_true",
+                   help="fused loss (Megatron-LM's flag; GPT/Llama families): see --cross-entropy-fusion-impl")
+    g.add_argument("--cross-entropy-fusion-impl", choices=["native", "te", "linear"],
+                   help="with --cross-entropy-loss-fusion: native (default; megatron-core's fused softmax cross "
+                        "entropy of the logits), te (Transformer Engine's), linear (output layer and cross entropy "
+                        "fused, a chunk of tokens at a time: the full logits never exist; less memory)")
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
     g.add_argument("--recompute-method", choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int)

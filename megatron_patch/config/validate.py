@@ -1,6 +1,7 @@
 """Rejections of impossible settings, run before any process group starts. Each says how to fix it."""
 from __future__ import annotations
 
+import importlib.util
 import os
 
 from .config import Config, ConfigError
@@ -98,6 +99,31 @@ def validate_moe(c: Config, world_size: int, tp: int, pp: int) -> int:
               "use --zero-1-memory-optimization (megatron-core's distributed optimizer shards expert state over "
               "expert-DP)")
     return world_size // (etp * ep * pp)
+
+
+CROSS_ENTROPY_FUSION_IMPLS = ("native", "te", "linear")
+
+
+def validate_loss_fusion(c: Config) -> None:
+    """--cross-entropy-loss-fusion / --cross-entropy-fusion-impl (Megatron-LM's names and values)."""
+    impl = c.cross_entropy_fusion_impl
+    if impl not in CROSS_ENTROPY_FUSION_IMPLS:
+        _fail(f"--cross-entropy-fusion-impl {impl!r}: choose native, te or linear")
+    if not c.cross_entropy_loss_fusion:
+        if impl != "native":
+            _fail(f"--cross-entropy-fusion-impl {impl} takes effect only with --cross-entropy-loss-fusion: add it "
+                  f"(or drop --cross-entropy-fusion-impl)")
+        return
+    if c.model_family == "bert":
+        _fail("--cross-entropy-loss-fusion is for GPT/Llama-family models: BERT's masked-LM head (dense, norm, output "
+              "layer with a bias) keeps megatron-core's loss; drop the flag")
+    if impl == "native" and not c.bf16:
+        _fail(f"--cross-entropy-loss-fusion with --cross-entropy-fusion-impl native (the default): megatron-core's fused "
+              f"cross entropy returns the gradient of the logits in bf16, which would round this {c.params_dtype_name} "
+              f"run's gradients; use it with --bf16, or use --cross-entropy-fusion-impl linear")
+    if impl == "te" and importlib.util.find_spec("transformer_engine") is None:
+        _fail("--cross-entropy-fusion-impl te needs Transformer Engine, which is not installed: use linear (fused "
+              "output layer and loss) or native")
 
 
 BERT_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
@@ -210,6 +236,7 @@ def validate(c: Config, world_size: int) -> None:
     if c.cpu_offload and not (c.zero_1_memory_optimization or c.zero_2_memory_optimization):
         _fail("--cpu-offload keeps the sharded optimizer state on the CPU and needs ZeRO: add "
               "--zero-1-memory-optimization (the documentation requires ZeRO with CPU offload)")
+    validate_loss_fusion(c)
     if c.data_iterator == "dynamic-shape":
         _fail("--data-iterator dynamic-shape applies to document-level samples (the Rapidformer Pretrainer/"
               "Finetuner templates); GPT pretraining samples are packed to --seq-length and carry no padding")

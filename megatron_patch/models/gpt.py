@@ -1,6 +1,7 @@
 """GPT-2 and Llama-style families (RoPE, SwiGLU, RMSNorm, GQA, untied) as megatron-core GPTModel."""
 from __future__ import annotations
 
+import inspect
 import math
 from functools import partial
 from typing import Optional
@@ -9,6 +10,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core import parallel_state as mpu
+from megatron.core.inference.utils import InferenceMode
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
@@ -17,6 +19,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_patch.config import Config
 
+from .linear_cross_entropy import linear_cross_entropy
 from .norm import SequenceParallelNorm
 from .sdpa_attention import SDPAttention
 
@@ -82,6 +85,9 @@ def build_transformer_config(cfg: Config) -> TransformerConfig:
         recompute_method=cfg.recompute_method if cfg.recompute_granularity == "full" else None,
         recompute_num_layers=cfg.recompute_num_layers if cfg.recompute_granularity == "full" else None,
         attention_softmax_in_fp32=True,
+        # native/te: megatron-core's fused cross entropy of the logits; linear is ours (GPTModelWithVocab)
+        cross_entropy_loss_fusion=cfg.cross_entropy_loss_fusion and cfg.cross_entropy_fusion_impl != "linear",
+        cross_entropy_fusion_impl="te" if cfg.cross_entropy_fusion_impl == "te" else "native",
         # Fusions that need apex/TE kernels or CUDA are off; torch.compile fuses instead.
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
@@ -158,9 +164,32 @@ class GPTModelWithVocab(GPTModel):
     on the padded size; here their logits are -inf before the cross entropy, so the loss is the model's
     over its real vocabulary: it equals Hugging Face's for a converted model, whatever the TP size."""
 
-    def __init__(self, *args, true_vocab_size: int, **kwargs) -> None:
+    def __init__(self, *args, true_vocab_size: int, fused_linear_cross_entropy: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.true_vocab_size = true_vocab_size
+        self.fused_linear_cross_entropy = fused_linear_cross_entropy
+        if fused_linear_cross_entropy and "output_processor" not in inspect.signature(GPTModel.forward).parameters:
+            raise RuntimeError("--cross-entropy-fusion-impl linear hooks into GPTModel.forward(output_processor=...) of "
+                               "megatron-core 0.19; this megatron-core has no such argument: use native")
+
+    def forward(self, input_ids, position_ids, attention_mask, decoder_input=None, labels=None, *args, **kwargs):
+        """megatron-core's forward; with `fused_linear_cross_entropy` and labels (training, evaluation), the last stage's
+        loss comes from the fused output layer + cross entropy instead of logits. Without labels (generation,
+        conversion --verify) the logits come as usual."""
+        if (self.fused_linear_cross_entropy and labels is not None and self.post_process
+                and kwargs.get("output_processor") is None and not InferenceMode.is_active()):
+            kwargs["output_processor"] = self._fused_loss
+        return super().forward(input_ids, position_ids, attention_mask, decoder_input, labels, *args, **kwargs)
+
+    def _fused_loss(self, *, hidden_states, output_layer, output_weight, labels, **_):
+        """GPTModel._postprocess's output processor: the per-token loss [b, s] the unfused path would give
+        (output_layer -> padded rows masked -> vocab-parallel cross entropy), without its logits."""
+        if output_layer.bias is not None or getattr(self.config, "use_mup", False):
+            raise RuntimeError("--cross-entropy-fusion-impl linear: the output layer has a bias or MuP scaling, "
+                               "which the fused loss does not apply")
+        weight = output_weight if output_weight is not None else output_layer.weight
+        return linear_cross_entropy(hidden_states, weight, labels, self.true_vocab_size, tp_group=output_layer.tp_group,
+                                    sequence_parallel=output_layer.sequence_parallel)
 
     def compute_language_model_loss(self, labels, logits):
         return super().compute_language_model_loss(labels, mask_vocab_padding(logits, self.true_vocab_size))
@@ -198,6 +227,7 @@ def build_gpt_model(cfg: Config, vocab_size: int, pre_process: bool = True, post
     model = GPTModelWithVocab(
         config=config,
         true_vocab_size=vocab_size,
+        fused_linear_cross_entropy=cfg.cross_entropy_loss_fusion and cfg.cross_entropy_fusion_impl == "linear",
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(vocab_size, cfg),
         max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,

@@ -369,7 +369,16 @@ class Trainer:
                 f"{' VPP ' + str(vpp) if vpp else ''}{self._describe_moe()} | {cfg.params_dtype_name} | ZeRO-{zero} | "
                 f"micro batch {cfg.micro_batch_size} x {cfg.num_microbatches} accumulation x DP {cfg.data_parallel_size} = "
                 f"global batch {cfg.global_batch_size} | optimizer: {self.optimizer_name} | "
-                f"recompute {self.model[0].config.recompute_granularity or 'off'}")  # the built model's own setting
+                f"recompute {self.model[0].config.recompute_granularity or 'off'}"  # the built model's own setting
+                f"{self._describe_loss()}")
+
+    def _describe_loss(self) -> str:
+        cfg = self.cfg
+        if not cfg.cross_entropy_loss_fusion:
+            return ""
+        if cfg.cross_entropy_fusion_impl == "linear":
+            return " | loss: fused output layer + cross entropy (linear, chunked: no full logits)"
+        return f" | loss: fused cross entropy ({cfg.cross_entropy_fusion_impl})"
 
     def _describe_moe(self) -> str:
         cfg = self.cfg
