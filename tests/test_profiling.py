@@ -27,3 +27,8 @@ def test_idle_is_the_span_minus_the_union_of_kernels():
     assert got["idle"] == pytest.approx(2.0)
     assert top_kernels(kernels)["matmul"][0] == ("gemm_b", pytest.approx(2.0)) or \
         top_kernels(kernels)["matmul"][0][1] == pytest.approx(2.0)
+
+
+def test_lambda_in_a_kernel_name_is_not_an_optimizer():
+    assert categorize("void at::native::elementwise_kernel<128, 2, at::native::gpu_kernel_impl<"
+                      "at::native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}>") != "optimizer"

@@ -18,7 +18,7 @@ CATEGORIES: List[Tuple[str, re.Pattern]] = [
     ("attention", re.compile(r"flash|fmha|attention|sdpa", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|nvjet|xmma|cublas|splitk|matmul", re.I)),
     ("loss", re.compile(r"cross_entropy|log_softmax|nll_loss|softmax", re.I)),
-    ("optimizer", re.compile(r"adam|multi_tensor|foreach|l2norm|lamb", re.I)),
+    ("optimizer", re.compile(r"adam|multi_tensor|foreach|l2norm", re.I)),  # not "lamb": kernel names say "lambda"
     ("memcpy/memset", re.compile(r"memcpy|memset", re.I)),
 ]
 
@@ -107,7 +107,8 @@ class Profiler:
         self.prof.export_chrome_trace(os.path.join(self.dir, f"trace_rank{self.rank}.json"))
         if self.rank == 0:
             with open(os.path.join(self.dir, "breakdown.json"), "w") as f:
-                json.dump({"steps": steps, "seconds": seconds, "top_kernels": top_kernels(kernels)}, f, indent=1)
+                json.dump({"steps": steps, "seconds": seconds, "top_kernels": top_kernels(kernels),
+                           "kernels": {n: t for n, t in top_kernels(kernels, n=10**6).items()}}, f, indent=1)
             print(format_breakdown(seconds, steps) if seconds else "profile: no GPU kernels recorded (CPU run)",
                   flush=True)
         self.prof = None
