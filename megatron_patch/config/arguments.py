@@ -163,10 +163,12 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
                    help=f"overflowing steps tolerated before the dynamic loss scale halves (default {_D.hysteresis})")
     g.add_argument("--cross-entropy-loss-fusion", action="store_true",
                    help="fused loss (Megatron-LM's flag; GPT/Llama families): see --cross-entropy-fusion-impl")
-    g.add_argument("--cross-entropy-fusion-impl", choices=["native", "te", "linear"],
+    g.add_argument("--cross-entropy-fusion-impl", choices=["native", "te", "linear", "triton"],
                    help="with --cross-entropy-loss-fusion: native (default; megatron-core's fused softmax cross "
                         "entropy of the logits), te (Transformer Engine's), linear (output layer and cross entropy "
-                        "fused, a chunk of tokens at a time: the full logits never exist; less memory)")
+                        "fused, a chunk of tokens at a time: the full logits never exist; less memory), triton "
+                        "(Triton kernels over the logits: one read forward, the gradient written over the logits; "
+                        "needs a GPU, or TRITON_INTERPRET=1 on the CPU)")
     g.add_argument("--recompute-granularity", choices=["full", "selective"])
     g.add_argument("--recompute-method", choices=["uniform", "block"])
     g.add_argument("--recompute-num-layers", type=int)

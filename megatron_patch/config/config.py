@@ -142,9 +142,10 @@ class Config:
     recompute_num_layers: int = 1
     cpu_offload: bool = False
     # Megatron-LM's switches of a fused loss: native/te fuse the softmax cross entropy of the logits (megatron-core's
-    # own implementations), linear also the output layer, so the full logits never exist (models/linear_cross_entropy.py)
+    # own implementations), linear also the output layer, so the full logits never exist (models/linear_cross_entropy.py),
+    # triton: our Triton kernels over the logits (models/triton_cross_entropy.py)
     cross_entropy_loss_fusion: bool = False
-    cross_entropy_fusion_impl: str = "native"  # native | te | linear
+    cross_entropy_fusion_impl: str = "native"  # native | te | linear | triton
 
     # ---- derived by validate()
     world_size: int = 1

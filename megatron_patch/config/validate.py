@@ -101,14 +101,14 @@ def validate_moe(c: Config, world_size: int, tp: int, pp: int) -> int:
     return world_size // (etp * ep * pp)
 
 
-CROSS_ENTROPY_FUSION_IMPLS = ("native", "te", "linear")
+CROSS_ENTROPY_FUSION_IMPLS = ("native", "te", "linear", "triton")
 
 
 def validate_loss_fusion(c: Config) -> None:
     """--cross-entropy-loss-fusion / --cross-entropy-fusion-impl (Megatron-LM's names and values)."""
     impl = c.cross_entropy_fusion_impl
     if impl not in CROSS_ENTROPY_FUSION_IMPLS:
-        _fail(f"--cross-entropy-fusion-impl {impl!r}: choose native, te or linear")
+        _fail(f"--cross-entropy-fusion-impl {impl!r}: choose native, te, linear or triton (one of them)")
     if not c.cross_entropy_loss_fusion:
         if impl != "native":
             _fail(f"--cross-entropy-fusion-impl {impl} takes effect only with --cross-entropy-loss-fusion: add it "
@@ -124,6 +124,21 @@ def validate_loss_fusion(c: Config) -> None:
     if impl == "te" and importlib.util.find_spec("transformer_engine") is None:
         _fail("--cross-entropy-fusion-impl te needs Transformer Engine, which is not installed: use linear (fused "
               "output layer and loss) or native")
+    if impl == "triton":
+        if importlib.util.find_spec("triton") is None:
+            _fail("--cross-entropy-fusion-impl triton needs the triton package (it comes with torch's CUDA wheels), "
+                  "which is not installed: install it, or use linear or native")
+        if not _has_gpu() and not _triton_interpret():
+            _fail("--cross-entropy-fusion-impl triton runs Triton kernels, which need a CUDA GPU; this machine has "
+                  "none. On the CPU set TRITON_INTERPRET=1 in the environment (Triton's interpreter: correct but "
+                  "slow, for tests), or use --cross-entropy-fusion-impl linear")
+
+
+def _triton_interpret() -> bool:
+    """TRITON_INTERPRET as Triton itself reads it (1, true, on, yes, ...)."""
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
 
 
 BERT_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")

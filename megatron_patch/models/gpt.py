@@ -85,8 +85,8 @@ def build_transformer_config(cfg: Config) -> TransformerConfig:
         recompute_method=cfg.recompute_method if cfg.recompute_granularity == "full" else None,
         recompute_num_layers=cfg.recompute_num_layers if cfg.recompute_granularity == "full" else None,
         attention_softmax_in_fp32=True,
-        # native/te: megatron-core's fused cross entropy of the logits; linear is ours (GPTModelWithVocab)
-        cross_entropy_loss_fusion=cfg.cross_entropy_loss_fusion and cfg.cross_entropy_fusion_impl != "linear",
+        # native/te: megatron-core's fused cross entropy of the logits; linear and triton are ours (GPTModelWithVocab)
+        cross_entropy_loss_fusion=cfg.cross_entropy_loss_fusion and cfg.cross_entropy_fusion_impl in ("native", "te"),
         cross_entropy_fusion_impl="te" if cfg.cross_entropy_fusion_impl == "te" else "native",
         # Fusions that need apex/TE kernels or CUDA are off; torch.compile fuses instead.
         bias_activation_fusion=False,
@@ -164,10 +164,12 @@ class GPTModelWithVocab(GPTModel):
     on the padded size; here their logits are -inf before the cross entropy, so the loss is the model's
     over its real vocabulary: it equals Hugging Face's for a converted model, whatever the TP size."""
 
-    def __init__(self, *args, true_vocab_size: int, fused_linear_cross_entropy: bool = False, **kwargs) -> None:
+    def __init__(self, *args, true_vocab_size: int, fused_linear_cross_entropy: bool = False,
+                 triton_cross_entropy: bool = False, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.true_vocab_size = true_vocab_size
         self.fused_linear_cross_entropy = fused_linear_cross_entropy
+        self.triton_cross_entropy = triton_cross_entropy
         if fused_linear_cross_entropy and "output_processor" not in inspect.signature(GPTModel.forward).parameters:
             raise RuntimeError("--cross-entropy-fusion-impl linear hooks into GPTModel.forward(output_processor=...) of "
                                "megatron-core 0.19; this megatron-core has no such argument: use native")
@@ -192,6 +194,10 @@ class GPTModelWithVocab(GPTModel):
                                     sequence_parallel=output_layer.sequence_parallel)
 
     def compute_language_model_loss(self, labels, logits):
+        if self.triton_cross_entropy:  # the padding is a column bound inside its kernels: no masking pass
+            from .triton_cross_entropy import triton_vocab_parallel_cross_entropy
+
+            return triton_vocab_parallel_cross_entropy(logits, labels, self.true_vocab_size, tp_group=self.tp_group)
         return super().compute_language_model_loss(labels, mask_vocab_padding(logits, self.true_vocab_size))
 
 
@@ -228,6 +234,7 @@ def build_gpt_model(cfg: Config, vocab_size: int, pre_process: bool = True, post
         config=config,
         true_vocab_size=vocab_size,
         fused_linear_cross_entropy=cfg.cross_entropy_loss_fusion and cfg.cross_entropy_fusion_impl == "linear",
+        triton_cross_entropy=cfg.cross_entropy_loss_fusion and cfg.cross_entropy_fusion_impl == "triton",
         transformer_layer_spec=spec,
         vocab_size=padded_vocab_size(vocab_size, cfg),
         max_sequence_length=cfg.max_position_embeddings or cfg.seq_length,

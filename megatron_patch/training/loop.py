@@ -378,6 +378,8 @@ class Trainer:
             return ""
         if cfg.cross_entropy_fusion_impl == "linear":
             return " | loss: fused output layer + cross entropy (linear, chunked: no full logits)"
+        if cfg.cross_entropy_fusion_impl == "triton":
+            return " | loss: fused cross entropy (triton: one read forward, gradient over the logits)"
         return f" | loss: fused cross entropy ({cfg.cross_entropy_fusion_impl})"
 
     def _describe_moe(self) -> str:
