@@ -1,4 +1,5 @@
-"""Triton cross entropy of the logits, vocab-parallel (`--cross-entropy-loss-fusion --cross-entropy-fusion-impl triton`).
+"""Triton cross entropy of the logits, vocab-parallel
+(`--cross-entropy-loss-fusion --cross-entropy-fusion-impl triton`).
 
 megatron-core's `tensor_parallel.vocab_parallel_cross_entropy` makes several passes over the logits [s, b, V/tp]:
 an fp32 copy of the bf16 logits, max, subtract, exp, sum, divide (the softmax it keeps for backward), and more in
@@ -9,8 +10,8 @@ the backward pass one kernel that reads each row once more and writes the gradie
 * forward, one program per row (token): an online softmax over blocks of BLOCK columns of this rank's vocabulary
   slice, in fp32 whatever the logits' dtype: the running maximum m and sum of exp(x - m) (rescaled by
   exp(m_old - m_new) when the maximum grows), and the target's logit if the label falls in this rank's slice.
-  Columns of the padded vocabulary (ids >= the tokenizer's vocabulary) are not read: the loop stops at the last
-  real column, which is -inf for the softmax without a masking pass.
+  The padded vocabulary (ids >= the tokenizer's vocabulary) is a column bound, not a masking pass: the loop stops
+  at the block of the last real column, and in that block the columns past it count as -inf.
 * the TP combine, on [s*b] vectors: all-reduce MAX of the maxima; each rank rescales its sum by
   exp(local max - global max) (a rank whose slice is all padding has max -inf and sum 0); all-reduce SUM of the
   sums and of the target logits (0 on the ranks that do not hold the label). loss = log(sum) - (target - max),
@@ -33,17 +34,31 @@ backward through the same graph (retain_graph=True) is refused.
 Numerics against megatron-core's path (fp32 softmax statistics either way): the loss and the gradient use the same
 formulas; the sum of exponentials is accumulated block by block with rescaling instead of once after the global
 maximum, a difference of float rounding (about 1e-7 relative). On the GPU Triton's exp and division are its fast
-approximations (a few ulp), megatron-core's are torch's.
+approximations (ex2.approx.f32 and div.full.f32 in the PTX, a few ulp), megatron-core's are torch's.
 
 TRITON_INTERPRET=1 runs the kernels in Triton's interpreter (numpy, on the CPU tensors), which is how the tests run
-without a GPU. The kernels are decorated with triton.jit on first use, not at import, so the variable takes effect
-whenever it is set before the first call. Two limits of the interpreter (Triton 3.6, numpy 2.5) shape the kernels:
-a loop bound must be a tl.constexpr (a runtime integer argument becomes a one-element array there, and
-`range(0, n, BLOCK)` fails on it), so the vocabulary slice's widths are constexpr (one compilation per rank's
-slice shape on the GPU); and its fp32 -> bf16 cast truncates instead of rounding to nearest even, so the kernel
-rounds bf16 itself with integer operations (on the GPU the same bits as the hardware's round-to-nearest-even cast).
+without a GPU. triton.jit reads the variable when it decorates a function, so the kernels are decorated on first
+use (once per setting), not at import. Three limits of the interpreter (Triton 3.6, numpy 2.5) shape the kernels:
+
+* Triton's own library functions written in Triton (tl.max, tl.sum, tl.zeros, ... in triton.language.standard)
+  are decorated when triton is imported, and megatron-core imports it early: imported without the variable, they
+  raise "Cannot call @triton.jit'd outside of the scope of a kernel" inside an interpreted kernel. The kernels
+  therefore use builtins only: tl.reduce with tl.standard's combine functions (what tl.max and tl.sum call on fp32,
+  and what the interpreter maps to numpy's max and sum) and tl.full. With that, TRITON_INTERPRET=1 may be set at any
+  time before the first call, in a process that imported triton already.
+* a loop bound must be a tl.constexpr (a runtime integer argument becomes a one-element array there, and
+  `range(0, n, BLOCK)` fails on it), so the vocabulary slice's widths are constexpr (one compilation per rank's
+  slice shape on the GPU);
+* its fp32 -> bf16 cast truncates instead of rounding to nearest even, so the kernel rounds bf16 itself with
+  integer operations (on the GPU the same bits as the hardware's round-to-nearest-even cast, for a few integer
+  operations per element).
+
+tests/test_triton_cross_entropy.py also compiles both kernels for sm_90 on the CPU (Triton's CUDA backend and its
+ptxas need no GPU), so the GPU code path is compiled by the tests, though not run.
 """
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -135,17 +150,9 @@ def _launch_config(local_vocab: int, block_size: int | None) -> dict:
     return dict(BLOCK=block, num_warps=16 if block >= 4096 else 8 if block >= 1024 else 4)
 
 
-class _DeviceGuard:
-    def __init__(self, t: torch.Tensor):
-        self.ctx = torch.cuda.device(t.device) if t.is_cuda else None
-
-    def __enter__(self):
-        if self.ctx is not None:
-            self.ctx.__enter__()
-
-    def __exit__(self, *exc):
-        if self.ctx is not None:
-            self.ctx.__exit__(*exc)
+def _on_device(t: torch.Tensor):
+    """Launch on the tensor's GPU (Triton launches on the current device); nothing to do on the CPU."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 class TritonVocabParallelCrossEntropy(torch.autograd.Function):
@@ -161,7 +168,7 @@ class TritonVocabParallelCrossEntropy(torch.autograd.Function):
         launch = _launch_config(local_vocab, block_size)
         stats = torch.empty(3, n, dtype=torch.float32, device=logits.device)
         if n:
-            with _DeviceGuard(logits):
+            with _on_device(logits):
                 fwd[(n,)](logits, labels, stats, n, vocab_start, N_REAL=real_vocab, N_COLS=local_vocab, **launch)
         local_max, total, target_logit = stats[0], stats[1], stats[2]  # views: the all-reduces update them
         if tp_group is not None:
@@ -190,7 +197,7 @@ class TritonVocabParallelCrossEntropy(torch.autograd.Function):
         grad_loss = grad_loss.float().contiguous()
         _, bwd = _kernels()
         if n:
-            with _DeviceGuard(logits):
+            with _on_device(logits):
                 bwd[(n,)](logits, labels, global_max, total, grad_loss, ctx.vocab_start, N_REAL=ctx.real_vocab,
                           N_COLS=local_vocab, TO_BF16=logits.dtype == torch.bfloat16, **ctx.launch)
         torch.autograd.graph.increment_version(logits)  # written in place, behind autograd's back
