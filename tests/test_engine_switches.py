@@ -113,13 +113,15 @@ def test_fp16_dynamic_loss_scaling(tmp_path, plain):
 
 
 @pytest.mark.slow  # about a minute on 2 cores: inductor compiles the layer graph once
-@pytest.mark.parametrize("family", ["gpt", "llama"])
-def test_compile_builds_one_graph_for_all_layers_and_matches_eager(tmp_path, family):
-    """--compile compiles each transformer layer: one graph serves all four layers (no graph break, no
-    recompilation after the first step), and the losses are eager's within fp32 reduction-order noise."""
+@pytest.mark.parametrize("family,compiled", [("gpt", "4 transformer layers"), ("llama", "4 transformer layers"),
+                                              ("mixtral", "the attention of 4 MoE layers")])
+def test_compile_builds_one_graph_for_all_layers_and_matches_eager(tmp_path, family, compiled):
+    """--compile compiles each transformer layer (MoE layers: their attention): one graph serves all four layers
+    (no graph break, no recompilation after the first step), and the losses are eager's within fp32
+    reduction-order noise."""
     eager, _ = run_engine(tmp_path / "eager", 1, "--model-family", family, "--eval-iters", "0")
     lines, proc = run_engine(tmp_path / "compiled", 1, "--model-family", family, "--eval-iters", "0", "--compile")
-    assert "torch.compile: 4 transformer layers compiled" in proc.stdout
+    assert f"torch.compile: {compiled} compiled" in proc.stdout
     graphs = per_iteration(lines, "compiled_graphs")
     assert graphs == [1] * len(graphs), graphs
     assert train_losses(lines) == pytest.approx(train_losses(eager), rel=1e-5)

@@ -42,5 +42,5 @@ def apply_compile(chunks: List[torch.nn.Module]) -> str:
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, limit)
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit,
                                                            4 * limit)
-    parts = [f"{dense} transformer layers"] + ([f"the attention of {moe} MoE layers"] if moe else [])
+    parts = ([f"{dense} transformer layers"] if dense else []) + ([f"the attention of {moe} MoE layers"] if moe else [])
     return "torch.compile: " + " and ".join(parts) + " compiled (embedding, loss and schedule eager)"
