@@ -16,7 +16,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_utils import free_port, per_iteration, run_engine  # noqa: E402
+from engine_utils import free_port  # noqa: E402
+from loss_fusion_utils import TP2_BASE, engine_pair, model_check, rel  # noqa: E402
 
 from megatron_patch.config import ConfigError, parse_args  # noqa: E402
 from megatron_patch.models.linear_cross_entropy import chunk_tokens, linear_cross_entropy  # noqa: E402
@@ -51,11 +52,6 @@ def loss_and_grads(fn, hidden, weight, labels, grad, vocab=VOCAB, **kw):
     loss = fn(hidden, weight, labels, vocab, **kw)
     gh, gw = torch.autograd.grad((loss * grad).sum(), [hidden, weight])
     return loss.detach(), gh, gw
-
-
-def rel(a, b) -> float:
-    """Largest difference relative to the largest magnitude of the reference."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 # fp32: the same products, summed in another order (chunks; no rounding to a lower precision): 1e-6.
@@ -120,10 +116,7 @@ def _tp_worker(rank: int, port: int, out: str) -> None:
 
     from megatron_patch.parallel import destroy, initialize
 
-    base = ["--mock-data", "--num-layers", "2", "--hidden-size", str(H), "--num-attention-heads", "4",
-            "--seq-length", "8", "--vocab-size", "100", "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--tensor-model-parallel-size", "2"]
-    initialize(parse_args(base + FUSED))
+    initialize(parse_args(TP2_BASE + FUSED))
     try:
         group = mpu.get_tensor_model_parallel_group()
         results = {"function": {}}
@@ -148,50 +141,14 @@ def _tp_worker(rank: int, port: int, out: str) -> None:
                 results["function"][f"vocab{vocab}_sp{int(sp)}"] = {
                     "loss": rel(loss, ref[0]), "loss_plain": rel(loss, plain), "hidden": rel(full_gh, ref[1]),
                     "weight": rel(torch.cat(gws), ref[2]), "padded_weight_grad": torch.cat(gws)[vocab:].abs().max().item()}
-        results["model"] = _model_check(base)
+        # GPT ties the output layer to the embedding; gpt.py calls linear_cross_entropy by its imported name
+        results["model"] = model_check(TP2_BASE, FUSED, "megatron_patch.models.gpt", "linear_cross_entropy",
+                                       "fused_linear_cross_entropy")
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f)
     finally:
         destroy()
-
-
-def _model_check(base) -> dict:
-    """GPTModelWithVocab at TP2 with the switch: with labels the loss comes from the fused path and equals the
-    unfused model's (same weights), and so do all parameter gradients; without labels it returns logits."""
-    import megatron_patch.models.gpt as gpt
-    from megatron_patch.models import build_gpt_model
-
-    calls = []
-
-    def counting(*args, **kw):
-        calls.append(1)
-        return linear_cross_entropy(*args, **kw)
-
-    gpt.linear_cross_entropy = counting
-    cfg = parse_args(base + FUSED + ["--make-vocab-size-divisible-by", "64"])  # 100 tokens, 128 rows
-    cfg.validate(2)
-    model = build_gpt_model(cfg, 100)
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, 100, (2, 8), generator=g)
-    labels = torch.randint(0, 100, (2, 8), generator=g)
-    labels[0, 0] = 99
-    positions = torch.arange(8).expand(2, 8)
-    weight = torch.rand(2, 8, generator=g)
-    out = {}
-    for fused in (True, False):
-        model.fused_linear_cross_entropy = fused
-        model.zero_grad()
-        loss = model(tokens, positions, None, labels=labels)
-        (loss * weight).sum().backward()
-        out[fused] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-    fused_calls = len(calls)
-    model.fused_linear_cross_entropy = True
-    with torch.no_grad():
-        logits = model(tokens, positions, None)
-    return {"calls_with_labels": fused_calls, "calls_without_labels": len(calls) - fused_calls,
-            "logits_shape": list(logits.shape), "loss": rel(out[True][0], out[False][0]),
-            "grads": {n: rel(out[True][1][n], out[False][1][n]) for n in out[False][1]}}
 
 
 def test_tensor_parallel_equals_one_rank(tmp_path):
@@ -223,38 +180,29 @@ BF16_REL = {"loss": 1e-4, "grad_norm": 1e-3, "valid": 1e-4}
 FUSED_LOG = "loss: fused output layer + cross entropy (linear"
 
 
-def engine_pair(tmp_path, nproc, *args, fused_flags=FUSED, fused_log=FUSED_LOG, tol=FP32_REL):
-    runs = {}
-    for name, extra in (("plain", []), ("fused", fused_flags)):
-        lines, proc = run_engine(tmp_path / name, nproc, "--vocab-size", "100", *args, *extra)
-        runs[name] = {"loss": per_iteration(lines, "loss"), "grad_norm": per_iteration(lines, "grad_norm"),
-                      "valid": [x["valid_loss"] for x in lines if "valid_loss" in x], "log": proc.stdout}
-    assert fused_log in runs["fused"]["log"] and fused_log not in runs["plain"]["log"]
-    plain, fused = runs["plain"], runs["fused"]
-    assert len(plain["loss"]) == 5 and plain["valid"]
-    for key, rel_tol in tol.items():
-        assert fused[key] == pytest.approx(plain[key], rel=rel_tol), key
-    return runs
+def linear_pair(tmp_path, nproc, *args, **kw):
+    """loss_fusion_utils.engine_pair with the linear impl's flags, log line and fp32 tolerance as defaults."""
+    return engine_pair(tmp_path, nproc, *args, **{"fused_flags": FUSED, "fused_log": FUSED_LOG, "tol": FP32_REL, **kw})
 
 
 @pytest.mark.slow  # two engine runs: about 16 s
 def test_engine_gpt_tied_trains_like_unfused(tmp_path):
-    engine_pair(tmp_path, 1, "--model-family", "gpt")
+    linear_pair(tmp_path, 1, "--model-family", "gpt")
 
 
 @pytest.mark.slow
 def test_engine_llama_untied_trains_like_unfused(tmp_path):
-    engine_pair(tmp_path, 1, "--model-family", "llama")
+    linear_pair(tmp_path, 1, "--model-family", "llama")
 
 
 @pytest.mark.slow
 def test_engine_tp2_sequence_parallel_trains_like_unfused(tmp_path):
-    engine_pair(tmp_path, 2, "--model-family", "gpt", "--tensor-model-parallel-size", "2", "--sequence-parallel")
+    linear_pair(tmp_path, 2, "--model-family", "gpt", "--tensor-model-parallel-size", "2", "--sequence-parallel")
 
 
 @pytest.mark.slow
 def test_engine_bf16_trains_like_unfused(tmp_path):
-    engine_pair(tmp_path, 1, "--model-family", "gpt", "--bf16", tol=BF16_REL)
+    linear_pair(tmp_path, 1, "--model-family", "gpt", "--bf16", tol=BF16_REL)
 
 
 @pytest.mark.slow
@@ -262,7 +210,7 @@ def test_engine_native_fusion_is_megatron_cores(tmp_path):
     """--cross-entropy-loss-fusion alone is Megatron-LM's default impl, native: megatron-core's fused cross entropy
     of the (masked) logits, passed through to its TransformerConfig (bf16 only, see validate). On the CPU its
     torch.compile makes this test take about 40 s."""
-    engine_pair(tmp_path, 1, "--model-family", "gpt", "--bf16", fused_flags=["--cross-entropy-loss-fusion"],
+    linear_pair(tmp_path, 1, "--model-family", "gpt", "--bf16", fused_flags=["--cross-entropy-loss-fusion"],
                 fused_log="loss: fused cross entropy (native)", tol=BF16_REL)
 
 

@@ -23,7 +23,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_utils import free_port, per_iteration, run_engine  # noqa: E402
+from engine_utils import free_port  # noqa: E402
+from loss_fusion_utils import TP2_BASE, engine_pair, model_check, rel  # noqa: E402
 
 from megatron_patch.config import ConfigError, parse_args  # noqa: E402
 from megatron_patch.models.triton_cross_entropy import _launch_config, triton_vocab_parallel_cross_entropy  # noqa: E402
@@ -85,11 +86,6 @@ def loss_and_grad(fn, logits, labels, grad, *args, **kw):
     loss = fn(out, labels, *args, **kw)
     (gl,) = torch.autograd.grad((loss * grad).sum(), [out])
     return loss.detach(), gl, gl.data_ptr() == out.data_ptr()
-
-
-def rel(a, b) -> float:
-    """Largest difference relative to the largest magnitude of the reference."""
-    return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
 
 
 # fp32: the same formulas in fp32; the sum of exponentials is accumulated block by block with rescaling instead of
@@ -186,10 +182,7 @@ def _tp_worker(rank: int, port: int, out: str) -> None:
 
     from megatron_patch.parallel import destroy, initialize
 
-    base = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4",
-            "--seq-length", "8", "--vocab-size", "100", "--hidden-dropout", "0", "--attention-dropout", "0",
-            "--tensor-model-parallel-size", "2"]
-    initialize(parse_args(base + TRITON))
+    initialize(parse_args(TP2_BASE + TRITON))
     try:
         group = mpu.get_tensor_model_parallel_group()
         results = {"function": {}}
@@ -209,52 +202,14 @@ def _tp_worker(rank: int, port: int, out: str) -> None:
                     "loss_tp1": rel(loss, tp1[0]), "grad_tp1": rel(full, tp1[1]),
                     "loss_megatron": rel(loss, mc_loss), "grad_megatron": rel(gl, mc_grad),
                     "padded_grad": full[..., vocab:].abs().max().item()}
-        results["model"] = _model_check(base)
+        # gpt.py imports the function from its module at each call, so the module's name is the one to count
+        results["model"] = model_check(TP2_BASE, TRITON, "megatron_patch.models.triton_cross_entropy",
+                                       "triton_vocab_parallel_cross_entropy", "triton_cross_entropy")
         if rank == 0:
             with open(out, "w") as f:
                 json.dump(results, f)
     finally:
         destroy()
-
-
-def _model_check(base) -> dict:
-    """GPTModelWithVocab at TP2 with the switch: its loss and every parameter's gradient equal the unfused model's
-    (same weights); the Triton path is the one taken with labels, and without labels the model returns logits."""
-    import megatron_patch.models.triton_cross_entropy as tce
-    from megatron_patch.models import build_gpt_model
-
-    calls = []
-    real = tce.triton_vocab_parallel_cross_entropy
-
-    def counting(*args, **kw):
-        calls.append(1)
-        return real(*args, **kw)
-
-    tce.triton_vocab_parallel_cross_entropy = counting
-    cfg = parse_args(base + TRITON + ["--make-vocab-size-divisible-by", "64"])  # 100 tokens, 128 columns
-    cfg.validate(2)
-    model = build_gpt_model(cfg, 100)
-    g = torch.Generator().manual_seed(3)
-    tokens = torch.randint(0, 100, (2, 8), generator=g)
-    labels = torch.randint(0, 100, (2, 8), generator=g)
-    labels[0, 0] = 99
-    positions = torch.arange(8).expand(2, 8)
-    weight = torch.rand(2, 8, generator=g)
-    out = {}
-    for fused in (True, False):
-        model.triton_cross_entropy = fused
-        model.zero_grad()
-        loss = model(tokens, positions, None, labels=labels)
-        (loss * weight).sum().backward()
-        out[fused] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()})
-    fused_calls = len(calls)
-    model.triton_cross_entropy = True
-    with torch.no_grad():
-        logits = model(tokens, positions, None)
-    return {"calls_with_labels": fused_calls, "calls_without_labels": len(calls) - fused_calls,
-            "logits_shape": list(logits.shape), "loss": rel(out[True][0], out[False][0]),
-            "loss_shape": list(out[True][0].shape),
-            "grads": {n: rel(out[True][1][n], out[False][1][n]) for n in out[False][1]}}
 
 
 def test_tensor_parallel_equals_one_rank(tmp_path):
@@ -284,17 +239,8 @@ SMALL = ["--vocab-size", "100", "--num-layers", "2", "--seq-length", "16", "--mi
 
 @pytest.mark.slow  # two engine runs, the Triton one in the interpreter: about 30 s
 def test_engine_trains_like_unfused(tmp_path):
-    runs = {}
-    for name, extra in (("plain", []), ("triton", TRITON)):
-        lines, proc = run_engine(tmp_path / name, 1, *SMALL, "--model-family", "gpt", *extra)
-        runs[name] = {"loss": per_iteration(lines, "loss"), "grad_norm": per_iteration(lines, "grad_norm"),
-                      "valid": [x["valid_loss"] for x in lines if "valid_loss" in x], "log": proc.stdout}
-    log = "loss: fused cross entropy (triton"
-    assert log in runs["triton"]["log"] and log not in runs["plain"]["log"]
-    plain, fused = runs["plain"], runs["triton"]
-    assert len(plain["loss"]) == 3 and plain["valid"]
-    for key, rel_tol in FP32_REL.items():
-        assert fused[key] == pytest.approx(plain[key], rel=rel_tol), key
+    engine_pair(tmp_path, 1, *SMALL, "--model-family", "gpt", fused_flags=TRITON,
+                fused_log="loss: fused cross entropy (triton", tol=FP32_REL, iterations=3)
 
 
 # ---- the GPU path, compiled without a GPU (Triton's CUDA backend and its ptxas run on the CPU)

@@ -111,7 +111,7 @@ class Config:
     no_load_optim: bool = False
     keep_last_n: Optional[int] = None
     compile: bool = False
-    profile: bool = False  # torch.profiler over [profile_step_start, profile_step_end), with a GPU-time breakdown
+    profile: bool = False  # torch.profiler over iterations (profile_step_start, profile_step_end], with a GPU-time breakdown
     profile_step_start: int = 10
     profile_step_end: int = 12
     profile_dir: str = "profile"
