@@ -35,17 +35,15 @@ def breakdown(kernels: List[Tuple[str, float, float]]) -> Dict[str, float]:
     minus the union of the kernels' intervals. `kernels` are (name, start_s, end_s)."""
     out: Dict[str, float] = {}
     for name, start, end in kernels:
-        out[categorize(name)] = out.get(categorize(name), 0.0) + (end - start)
-    busy, cur_start, cur_end = 0.0, None, None
-    for _, start, end in sorted(kernels, key=lambda k: k[1]):
-        if cur_end is None or start > cur_end:
-            busy += 0.0 if cur_end is None else cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None:
-        busy += cur_end - cur_start
-        out["idle"] = max(0.0, (max(k[2] for k in kernels) - min(k[1] for k in kernels)) - busy)
+        category = categorize(name)
+        out[category] = out.get(category, 0.0) + (end - start)
+    if kernels:  # idle: the gaps between the end of all kernels so far and the next one's start
+        idle, reach = 0.0, None
+        for _, start, end in sorted(kernels, key=lambda k: k[1]):
+            if reach is not None and start > reach:
+                idle += start - reach
+            reach = end if reach is None else max(reach, end)
+        out["idle"] = idle
     return out
 
 
