@@ -54,8 +54,8 @@ def per_iteration(lines: List[dict], key: str) -> List[float]:
 
 
 def run_counting_forwards(workdir, *args: str, base=TINY):
-    """Train on one process as run_engine does; returns (metrics lines, {"layer N" / "core_attention N":
-    forward calls in training mode}), N the global layer number from 1. Evaluation runs in eval mode and
+    """Train on one process as run_engine does, but with step metrics deferred as on a GPU; returns (metrics lines,
+    {"layer N" / "core_attention N": forward calls in training mode}), N the global layer number from 1. Evaluation runs in eval mode and
     is not counted, so without recomputation each count is iterations x micro batches."""
     counts = os.path.join(str(workdir), "forward_calls.json")
     lines, _ = run_engine(workdir, 1, *args, base=base, script=[os.path.abspath(__file__), "--count-forwards-to", counts])
@@ -64,7 +64,8 @@ def run_counting_forwards(workdir, *args: str, base=TINY):
 
 
 def _count_forwards_main(out: str, argv: List[str]) -> None:
-    """The process behind run_counting_forwards: the engine's Trainer, with forward hooks that count calls.
+    """The process behind run_counting_forwards: the engine's Trainer, with forward hooks that count calls, and
+    its step metrics deferred as on a GPU (a step's metrics read once the next step is queued).
 
     Hooks observe the real model; nothing in the training step is replaced."""
     import torch.distributed as dist
@@ -84,6 +85,7 @@ def _count_forwards_main(out: str, argv: List[str]) -> None:
 
     try:
         trainer = Trainer(parse_args(argv))
+        trainer.defer_step_metrics = True  # as on a GPU: each step's metrics read once the next step is queued
         for chunk in trainer.model:
             for m in chunk.modules():
                 if isinstance(m, TransformerLayer):

@@ -133,3 +133,20 @@ def test_entry_point_reports_config_errors(tmp_path):
     proc = subprocess.run([sys.executable, f"{ROOT}/pretrain_megatron_gpt.py", *BASE, "--tensor-model-parallel-size", "3"],
                           capture_output=True, text=True, cwd=tmp_path)
     assert proc.returncode == 2 and "configuration error: --num-attention-heads 4" in proc.stderr
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--compile-mode", "reduce-overhead"], "--compile-mode reduce-overhead takes effect only with --compile"),
+    (["--compile", "--compile-mode", "fast"], "invalid choice"),
+    (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 applies to bf16 training: add --bf16"),
+    (["--grad-reduce-in-bf16", "--bf16", "--zero-2-memory-optimization"], "ZeRO-2 (Megatron-FSDP) keeps its sharded"),
+])
+def test_performance_flag_rejections(argv, match):
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        cfg(*argv).validate(2)
+
+
+def test_performance_flags_parse():
+    c = cfg("--compile", "--compile-mode", "reduce-overhead", "--bf16", "--grad-reduce-in-bf16").validate(1)
+    assert (c.compile, c.compile_mode, c.grad_reduce_in_bf16) == (True, "reduce-overhead", True)
+    assert cfg().validate(1).compile_mode == "default" and not cfg().validate(1).grad_reduce_in_bf16

@@ -29,3 +29,18 @@ def test_optimizer_state_bytes_follow_formula(tmp_path, zero):
     assert grads == pytest.approx(4 * n / g, rel=0.01, abs=65536)
     if zero < 2:  # Megatron-FSDP keeps extra all-gather buffers for the weights; only ZeRO-3 shards them
         assert weights == pytest.approx(2 * n, rel=0.01, abs=65536)
+
+
+def test_grad_reduce_in_bf16_halves_the_gradient_buffer_and_tracks_fp32(tmp_path):
+    """--grad-reduce-in-bf16: a bf16 gradient buffer (2 bytes per parameter instead of 4), reduced over DP in
+    bf16; the losses follow the fp32-gradient run within bf16 rounding."""
+    args = [*ARGS, "--train-iters", "6", "--lr", "1e-3", "--zero-1-memory-optimization"]
+    fp32, _ = run_engine(tmp_path / "fp32", 2, *args)
+    bf16, proc = run_engine(tmp_path / "bf16", 2, *args, "--grad-reduce-in-bf16")
+    assert "bf16 (bf16 gradients)" in proc.stdout
+    n = first(bf16, "num_params")
+    assert first(bf16, "bytes_grads") == pytest.approx(2 * n, rel=0.01, abs=65536)
+    assert first(fp32, "bytes_grads") == pytest.approx(4 * n, rel=0.01, abs=65536)
+    a, b = [x["loss"] for x in fp32 if "loss" in x], [x["loss"] for x in bf16 if "loss" in x]
+    assert len(a) == 6 and a != b  # the gradients really were rounded
+    assert b == pytest.approx(a, rel=1e-2)

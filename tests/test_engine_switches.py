@@ -125,3 +125,22 @@ def test_compile_builds_one_graph_for_all_layers_and_matches_eager(tmp_path, fam
     graphs = per_iteration(lines, "compiled_graphs")
     assert graphs == [1] * len(graphs), graphs
     assert train_losses(lines) == pytest.approx(train_losses(eager), rel=1e-5)
+
+
+def test_deferred_step_metrics_record_what_immediate_ones_do(tmp_path):
+    """On a GPU the loop reads a step's metrics only once the next step is queued (no host synchronisation
+    between steps); iterations that log, evaluate or save are finished at once. The same run with deferred
+    metrics (forced on here, on the CPU) writes the same records in the same order, and saves the same
+    checkpoints, as the run that finishes every step at once."""
+    args = ["--train-iters", "7", "--log-interval", "5", "--eval-interval", "3", "--save-interval", "4"]
+    now, _ = run_engine(tmp_path / "now", 1, *args, "--save", str(tmp_path / "now" / "ckpt"))
+    deferred, _ = run_counting_forwards(tmp_path / "deferred", *args, "--save", str(tmp_path / "deferred" / "ckpt"))
+
+    def records(lines):
+        return [{k: v for k, v in x.items() if k not in ("step_time", "wall_time")} for x in lines]
+
+    assert [x.get("iteration") for x in deferred] == [1, 2, 3, 3, 4, 5, 6, 6, 7]  # 3 and 6 twice: validation
+    assert records(deferred) == records(now)
+    assert all(x["step_time"] > 0 for x in deferred if "loss" in x)
+    for it in (4, 7):
+        assert (tmp_path / "deferred" / "ckpt" / f"iter_{it:07d}").is_dir()

@@ -2,9 +2,10 @@
 upstream's do (the l2 norm over all tensors; dst = src * scale with dtype conversion), on the CPU."""
 from __future__ import annotations
 
+import pytest
 import torch
 
-from megatron_patch.compat.multi_tensor import foreach_l2_norm, foreach_scale
+from megatron_patch.compat.multi_tensor import foreach_l2_norm, foreach_scale, foreach_scale_tensor
 
 
 def _tensors(seed: int, dtype=torch.float32):
@@ -30,3 +31,40 @@ def test_scale_writes_src_times_scale_into_dst_in_dst_dtype():
     in_place = [t.clone() for t in src]
     foreach_scale(2048, None, [in_place, in_place], 0.5)  # clipping scales the gradients in place
     assert all(torch.equal(x, s * 0.5) for x, s in zip(in_place, src))
+
+
+def test_scale_tensor_clips_in_place_by_a_device_coefficient():
+    """What megatron-core's clip_grad_by_total_norm_fp32 does with a tensor norm: grads *= min(1, max/norm)."""
+    grads = _tensors(3)
+    want = [t.clone() for t in grads]
+    coeff = (torch.tensor([1.0]) / (torch.tensor([4.0]) + 1e-6)).clamp_max_(1.0)  # shape [1], as upstream's
+    foreach_scale_tensor(2048, None, [grads, grads], coeff)
+    assert all(torch.equal(g, w * coeff.reshape(())) for g, w in zip(grads, want))
+    dst = [torch.empty_like(t, dtype=torch.bfloat16) for t in want]
+    foreach_scale_tensor(2048, None, [want, dst], torch.tensor([0.5]))
+    assert all(torch.equal(d, (w * 0.5).to(torch.bfloat16)) for d, w in zip(dst, want))
+
+
+@pytest.mark.gpu  # megatron-core's clip_grads allocates on "cuda"
+def test_megatron_clips_without_reading_the_norm_once_patched():
+    """With the patch, megatron-core's own get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 keep the norm a
+    tensor and clip by it (their TE path); the result equals clipping by the float norm."""
+    from megatron.core.optimizer import clip_grads
+
+    from megatron_patch.compat import multi_tensor
+    from megatron_patch.compat.registry import _ORIGINALS
+
+    multi_tensor.grad_clip_without_host_sync()
+    try:
+        params = [torch.nn.Parameter(t.cuda()) for t in _tensors(4)]
+        for p in params:
+            p.grad = torch.randn_like(p) * 10
+        want = [p.grad.clone() for p in params]
+        norm = clip_grads.get_grad_norm_fp32([p.grad for p in params])
+        assert isinstance(norm, torch.Tensor)
+        clip_grads.clip_grad_by_total_norm_fp32(params, 1.0, norm)
+        ref = torch.linalg.vector_norm(torch.cat([w.flatten() for w in want]))
+        for p, w in zip(params, want):
+            torch.testing.assert_close(p.grad, w * (1.0 / (ref + 1e-6)))
+    finally:
+        clip_grads.multi_tensor_scale_tensor_impl = _ORIGINALS.pop((clip_grads, "multi_tensor_scale_tensor_impl"))

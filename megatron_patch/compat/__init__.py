@@ -134,6 +134,7 @@ CPU_BACKEND = (
 
 GPU = (
     multi_tensor.foreach_multi_tensor_fallbacks,
+    multi_tensor.grad_clip_without_host_sync,
 )
 
 MEGATRON_FSDP = (

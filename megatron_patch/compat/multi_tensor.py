@@ -57,3 +57,32 @@ def foreach_multi_tensor_fallbacks() -> None:
         replace(clip_grads, "multi_tensor_scale_impl", foreach_scale)
     if original(mcore_optimizer, "multi_tensor_scale_impl") is local_multi_tensor_scale:
         replace(mcore_optimizer, "multi_tensor_scale_impl", foreach_scale)
+
+
+def foreach_scale_tensor(chunk_size, noop_flag, tensor_lists: List[List[torch.Tensor]], scale: torch.Tensor) -> None:
+    """Drop-in for Transformer Engine's multi_tensor_scale_tensor: dst = src * scale, `scale` a one-element tensor
+    on the device (gradient clipping's coefficient), so nothing waits for its value."""
+    src, dst = tensor_lists[0], tensor_lists[1]
+    if not src:
+        return
+    scale = scale.reshape(())
+    if all(s is d for s, d in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+@register(upstream=("megatron/core/optimizer/clip_grads.py:get_grad_norm_fp32",
+                    "megatron/core/optimizer/clip_grads.py:clip_grad_by_total_norm_fp32"),
+          fixes="without Transformer Engine's multi_tensor_scale_tensor, get_grad_norm_fp32 returns "
+                "total_norm.item(): a host synchronisation in the middle of every optimizer step (the GPU then idles "
+                "while the host launches the update). Given a tensor-scale kernel (foreach), megatron-core keeps the "
+                "norm on the device and clips with a device-side coefficient, its own path for TE",
+          fingerprint="17f5e40c69302357")
+def grad_clip_without_host_sync() -> None:
+    """Give megatron-core's clip_grads a multi_tensor_scale_tensor (GPU, no Transformer Engine only): the grad
+    norm the optimizer returns is then a one-element tensor, read by the training loop when it reports."""
+    from megatron.core.optimizer import clip_grads
+
+    if original(clip_grads, "multi_tensor_scale_tensor_impl") is None:
+        replace(clip_grads, "multi_tensor_scale_tensor_impl", foreach_scale_tensor)

@@ -136,6 +136,9 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--keep-last-n", type=int, help="after each save, delete all but the newest N complete checkpoints")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile each transformer layer (GPU; the attention only in MoE layers)")
+    g.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+                   help="torch.compile's mode with --compile; reduce-overhead replays each compiled layer as a CUDA "
+                        f"graph (less host overhead for small models, more memory) (default {_D.compile_mode})")
     g.add_argument("--profile", action="store_true",
                    help="torch.profiler over iterations (--profile-step-start, --profile-step-end]: Chrome trace and a "
                         "GPU-time breakdown (matmul, attention, loss, optimizer, idle) in --profile-dir")
@@ -154,6 +157,9 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
     for name in ("sequence-parallel", "zero-1-memory-optimization", "zero-2-memory-optimization",
                  "zero-3-memory-optimization", "bf16", "fp16", "mixed-precision", "checkpoint-activations", "cpu-offload"):
         g.add_argument(f"--{name}", action="store_true")
+    g.add_argument("--grad-reduce-in-bf16", action="store_true",
+                   help="with --bf16: accumulate and reduce gradients in bf16 instead of fp32 (Megatron-LM's flag): "
+                        "half the gradient buffer and its traffic, coarser accumulation over micro batches")
     g.add_argument("--loss-scale", type=float, help="static loss scale for fp16 (default: dynamic)")
     g.add_argument("--initial-loss-scale", type=float)
     g.add_argument("--min-loss-scale", type=float, help=f"dynamic scaling never goes below this (default {_D.min_loss_scale:g})")

@@ -111,6 +111,7 @@ class Config:
     no_load_optim: bool = False
     keep_last_n: Optional[int] = None
     compile: bool = False
+    compile_mode: str = "default"  # torch.compile mode of --compile; reduce-overhead: CUDA graphs per layer
     profile: bool = False  # torch.profiler over iterations (profile_step_start, profile_step_end], with a GPU-time breakdown
     profile_step_start: int = 10
     profile_step_end: int = 12
@@ -131,6 +132,7 @@ class Config:
     bf16: bool = False
     fp16: bool = False
     mixed_precision: bool = False
+    grad_reduce_in_bf16: bool = False  # bf16 gradient buffer (accumulation and DP reduction) instead of fp32
     loss_scale: Optional[float] = None
     initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0

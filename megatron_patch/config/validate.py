@@ -239,6 +239,11 @@ def validate(c: Config, world_size: int) -> None:
         c.fp16 = True
     if c.fp16 and c.bf16:
         _fail("--fp16 and --bf16 are mutually exclusive; pass only one")
+    if c.grad_reduce_in_bf16 and not c.bf16:
+        _fail("--grad-reduce-in-bf16 applies to bf16 training: add --bf16 (fp32 and fp16 runs keep fp32 gradients)")
+    if c.grad_reduce_in_bf16 and c.zero_2_memory_optimization:
+        _fail("--grad-reduce-in-bf16 is for plain data parallelism and --zero-1-memory-optimization; ZeRO-2 "
+              "(Megatron-FSDP) keeps its sharded gradients in fp32: drop one of the two")
     if c.checkpoint_activations and c.recompute_granularity is None:
         c.recompute_granularity = "full"
     if c.recompute_granularity not in (None, "full", "selective"):
@@ -252,6 +257,8 @@ def validate(c: Config, world_size: int) -> None:
         _fail("--cpu-offload keeps the sharded optimizer state on the CPU and needs ZeRO: add "
               "--zero-1-memory-optimization (the documentation requires ZeRO with CPU offload)")
     validate_loss_fusion(c)
+    if c.compile_mode != "default" and not c.compile:
+        _fail(f"--compile-mode {c.compile_mode} takes effect only with --compile: add it (or drop --compile-mode)")
     if c.data_iterator == "dynamic-shape":
         _fail("--data-iterator dynamic-shape applies to document-level samples (the Rapidformer Pretrainer/"
               "Finetuner templates); GPT pretraining samples are packed to --seq-length and carry no padding")

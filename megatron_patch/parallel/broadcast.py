@@ -21,6 +21,14 @@ def _tp_group():
     return _ps.get_tensor_model_parallel_group()
 
 
+def _to_device(x, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """`x` on `device` as `dtype`. A pinned batch (the DataLoader pins them on GPU machines) is copied without
+    waiting: a blocking copy would drain the GPU's queue once per key and micro batch. The dtype changes after
+    the copy, on the device, so the pinned buffer is what travels."""
+    t = torch.as_tensor(x)
+    return t.to(device, non_blocking=t.device.type == "cpu" and t.is_pinned()).to(dtype)
+
+
 def broadcast_data(keys: List[str], data: Optional[Dict[str, torch.Tensor]], datatype: torch.dtype
                    ) -> Dict[str, torch.Tensor]:
     """`data[key]` for each of `keys`, as `datatype` tensors on this rank's device, the same on every rank of
@@ -35,7 +43,7 @@ def broadcast_data(keys: List[str], data: Optional[Dict[str, torch.Tensor]], dat
         missing = [k for k in keys if k not in data]
         if missing:
             raise KeyError(f"broadcast_data: the batch has no {missing} (it has {sorted(data)})")
-        return {k: torch.as_tensor(data[k]).to(device=device, dtype=datatype) for k in keys}
+        return {k: _to_device(data[k], device, datatype) for k in keys}
     src = _ps.get_tensor_model_parallel_src_rank()
     is_src = _ps.get_tensor_model_parallel_rank() == 0
     max_dims = 8
@@ -57,7 +65,7 @@ def broadcast_data(keys: List[str], data: Optional[Dict[str, torch.Tensor]], dat
         shapes.append(row[1:1 + row[0]])
     numels = [int(torch.Size(s).numel()) for s in shapes]
     if is_src:
-        flat = torch.cat([torch.as_tensor(data[k]).to(device=device, dtype=datatype).reshape(-1) for k in keys])
+        flat = torch.cat([_to_device(data[k], device, datatype).reshape(-1) for k in keys])
     else:
         flat = torch.empty(sum(numels), dtype=datatype, device=device)
     dist.broadcast(flat, src, group=group)

@@ -13,6 +13,7 @@ and host synchronisations that would break and recompile the graph every step.
 """
 from __future__ import annotations
 
+from functools import partial
 from typing import List
 
 import torch
@@ -25,16 +26,18 @@ def _layers(chunk: torch.nn.Module) -> List[torch.nn.Module]:
     return list(stack.layers) if stack is not None else []
 
 
-def apply_compile(chunks: List[torch.nn.Module]) -> str:
-    """Compile every transformer layer's forward in the bare model chunks, in place; returns a log line."""
+def apply_compile(chunks: List[torch.nn.Module], mode: str = "default") -> str:
+    """Compile every transformer layer's forward in the bare model chunks, in place, with torch.compile's `mode`;
+    returns a log line."""
+    compile_ = partial(torch.compile, mode=None if mode == "default" else mode)
     dense = moe = 0
     for chunk in chunks:
         for layer in _layers(chunk):
             if type(layer.mlp).__name__ == "MoELayer":
-                layer.self_attention.forward = torch.compile(layer.self_attention.forward)
+                layer.self_attention.forward = compile_(layer.self_attention.forward)
                 moe += 1
             else:
-                layer.forward = torch.compile(layer.forward)
+                layer.forward = compile_(layer.forward)
                 dense += 1
     tp_group_default_without_warning()  # else two graph breaks per layer (see compat/dynamo.py)
     # Each compiled method has its own cache keyed by the bound layer; one entry per layer is expected.
@@ -43,4 +46,5 @@ def apply_compile(chunks: List[torch.nn.Module]) -> str:
     torch._dynamo.config.accumulated_cache_size_limit = max(torch._dynamo.config.accumulated_cache_size_limit,
                                                            4 * limit)
     parts = ([f"{dense} transformer layers"] if dense else []) + ([f"the attention of {moe} MoE layers"] if moe else [])
-    return "torch.compile: " + " and ".join(parts) + " compiled (embedding, loss and schedule eager)"
+    how = "" if mode == "default" else f", mode {mode}"
+    return "torch.compile: " + " and ".join(parts) + f" compiled{how} (embedding, loss and schedule eager)"

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from functools import partial
-from typing import Dict, List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -89,7 +89,7 @@ def build_model_chunks(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
         for line in describe_load(loaded, f"--load-hf {cfg.load_hf}"):
             print_rank_0(line)
     if cfg.compile:
-        print_rank_0(apply_compile(chunks))
+        print_rank_0(apply_compile(chunks, cfg.compile_mode))
     return chunks
 
 
@@ -102,7 +102,8 @@ def wrap_model(cfg: Config, chunks: List[torch.nn.Module]) -> List[torch.nn.Modu
     if cfg.zero_2_memory_optimization:
         return [_wrap_megatron_fsdp(cfg, tconfig, c) for c in chunks]
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, overlap_grad_reduce=False, use_distributed_optimizer=cfg.zero_1_memory_optimization,
+        grad_reduce_in_fp32=not cfg.grad_reduce_in_bf16, overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.zero_1_memory_optimization,
         check_for_nan_in_grad=False, bucket_size=None,
     )
     return [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
@@ -165,9 +166,7 @@ def forward_step(data_iterator, model, seq_length: int):
     if not (pre or post):
         return model(None, None, None), no_loss
     batch = next(data_iterator) if data_iterator is not None else None
-    if batch is not None:  # one int64 buffer: loss_mask is 0/1
-        batch = {k: batch[k].long() if k == "loss_mask" else batch[k] for k in BATCH_KEYS}
-    batch = broadcast_data(BATCH_KEYS, batch, torch.int64)
+    batch = broadcast_data(BATCH_KEYS, batch, torch.int64)  # one int64 buffer: loss_mask is 0/1
     tokens, labels, position_ids = batch["tokens"], batch["labels"], batch["position_ids"]
     loss_mask = batch["loss_mask"].float()
     output = model(tokens, position_ids, None, labels=labels)
@@ -186,16 +185,26 @@ def no_loss(output_tensor):
     raise RuntimeError("internal: a loss function was called on a pipeline stage that is not the last")
 
 
-def _mean_losses(losses: List[Dict[str, torch.Tensor]], keys: Sequence[str] = ("lm loss",)) -> Dict[str, float]:
+def _mean_losses(losses: List[Dict[str, torch.Tensor]], keys: Sequence[str] = ("lm loss",)) -> Dict[str, torch.Tensor]:
     """Mean of each reported loss (`keys`: "lm loss", and for BERT "sop loss") over the micro batches of the
-    global batch, known on every rank afterwards (only the last pipeline stage computes them)."""
+    global batch, known on every rank afterwards (only the last pipeline stage computes them): 0-dim tensors on
+    the device (NaN without micro batches), so that nothing waits for the GPU here."""
     t = torch.zeros(len(keys) + 1, device=_device())
     if mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0 and losses:
-        for i, key in enumerate(keys):
-            t[i] = sum(x[key].float() for x in losses)
+        t[:-1] = torch.stack([torch.stack([x[key].float().reshape(()) for x in losses]).sum() for key in keys])
         t[-1] = len(losses)
     dist.all_reduce(t)
-    return {key: (t[i] / t[-1]).item() if t[-1] > 0 else float("nan") for i, key in enumerate(keys)}
+    means = torch.where(t[-1] > 0, t[:-1] / t[-1].clamp(min=1), torch.full_like(t[:-1], float("nan")))
+    return {key: means[i] for i, key in enumerate(keys)}
+
+
+def materialize(metrics: Dict) -> Dict:
+    """`metrics` with every tensor value replaced by its float (one transfer from the device for all), in place."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    if keys:
+        values = torch.stack([metrics[k].detach().float().reshape(()) for k in keys]).tolist()
+        metrics.update(zip(keys, values))
+    return metrics
 
 
 def count_parameters(model) -> int:
@@ -239,6 +248,9 @@ class Trainer:
     loss_keys: Sequence[str] = ("lm loss",)
     # Which ranks _reads_data picks, in words (the log says it after the first step).
     reads_where = "tensor-parallel rank 0 of the first and last pipeline stages"
+    # Finish a step's metrics (read them from the device) only once the next step is queued: None = on a GPU,
+    # where the device works asynchronously (see train()).
+    defer_step_metrics: Optional[bool] = None
 
     def __init__(self, cfg: Config) -> None:
         self.cfg = self._initialize(cfg)
@@ -324,23 +336,26 @@ class Trainer:
         ok, grad_norm, _ = self.optimizer.step()
         if ok:
             self.scheduler.step(increment=self.cfg.global_batch_size)
-        metrics = {"loss": self._objective(losses),
-                   "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "skipped": float(not ok), "lr": lr, "loss_scale": self._loss_scale()}
+        # Loss, grad norm and loss scale stay on the device (see train()); `materialize` makes them floats.
+        metrics = {"loss": self._objective(losses), "grad_norm": grad_norm if grad_norm is not None else float("nan"),
+                   "skipped": float(not ok), "lr": lr, "loss_scale": self._loss_scale()}
         metrics.update(self.loss_components)
         if self.moe_metrics is not None:
             metrics.update(self.moe_metrics.report(self.cfg.num_microbatches, self.state.iteration + 1))
         return metrics
 
-    def _objective(self, losses: List[Dict[str, torch.Tensor]]) -> float:
-        """The global batch's objective (sum of the reported losses); sets `loss_components` to each of them by
-        its metrics name ("lm_loss", "sop_loss") when there is more than one, else to {}."""
+    def _objective(self, losses: List[Dict[str, torch.Tensor]]) -> torch.Tensor:
+        """The global batch's objective (sum of the reported losses, a 0-dim tensor on the device); sets
+        `loss_components` to each of them by its metrics name ("lm_loss", "sop_loss") when there is more than one,
+        else to {}."""
         means = _mean_losses(losses, self.loss_keys)
         self.loss_components = {k.replace(" ", "_"): v for k, v in means.items()} if len(means) > 1 else {}
         return sum(means.values())
 
-    def _loss_scale(self) -> float:
-        """The loss scale after this step's update (fp16 dynamic scaling lowers it on a skipped step)."""
-        return self.optimizer.get_loss_scale().item() if hasattr(self.optimizer, "get_loss_scale") else 1.0
+    def _loss_scale(self):
+        """The loss scale after this step's update (fp16 dynamic scaling lowers it on a skipped step); a tensor
+        on the device or 1.0."""
+        return self.optimizer.get_loss_scale() if hasattr(self.optimizer, "get_loss_scale") else 1.0
 
     @torch.no_grad()
     def evaluate(self, iterator, iters: int) -> float:
@@ -356,8 +371,8 @@ class Trainer:
             m.train()
         if self.moe_metrics is not None:
             self.moe_metrics.clear()
-        self.eval_components = components  # the reporter logs them with the evaluation
-        return total / iters
+        self.eval_components = materialize(components)  # the reporter logs them with the evaluation
+        return materialize({"loss": total / iters})["loss"]
 
     def _describe(self) -> str:
         cfg = self.cfg
@@ -366,7 +381,8 @@ class Trainer:
         return (f"model: {cfg.model_family or 'custom'} {self.num_params / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
                 f"hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, seq {cfg.seq_length} | "
                 f"TP {cfg.tensor_model_parallel_size} PP {cfg.pipeline_model_parallel_size} DP {cfg.data_parallel_size}"
-                f"{' VPP ' + str(vpp) if vpp else ''}{self._describe_moe()} | {cfg.params_dtype_name} | ZeRO-{zero} | "
+                f"{' VPP ' + str(vpp) if vpp else ''}{self._describe_moe()} | {cfg.params_dtype_name}{' (bf16 gradients)' if cfg.grad_reduce_in_bf16 else ''} | "
+                f"ZeRO-{zero} | "
                 f"micro batch {cfg.micro_batch_size} x {cfg.num_microbatches} accumulation x DP {cfg.data_parallel_size} = "
                 f"global batch {cfg.global_batch_size} | optimizer: {self.optimizer_name} | "
                 f"recompute {self.model[0].config.recompute_granularity or 'off'}"  # the built model's own setting
@@ -404,38 +420,44 @@ class Trainer:
         train_iter = self._iterators(self.train_ds, state.consumed_samples, cycle=False)
         start = state.iteration
         t0, since = time.time(), 0
+        self._finished_at = time.time()
+        pending = None  # the previous step's metrics, still on the device
+        lag = torch.cuda.is_available() if self.defer_step_metrics is None else self.defer_step_metrics
         while state.iteration < cfg.train_iters:
-            step_start = time.time()
-            metrics = self.train_step(train_iter)  # its loss reduction synchronizes with the device
-            metrics["step_time"] = time.time() - step_start
-            metrics["wall_time"] = time.time()  # benchmarks measure time to first step from their launch
+            # On a GPU a step's metrics stay on the device until the next step is queued: the host then waits for
+            # the previous step only, and the GPU never idles between steps. Iterations that log, evaluate, save
+            # or stop are finished at once (a NaN loss is caught at most one iteration late otherwise). On the
+            # CPU the work is synchronous anyway: every step is finished at once.
+            metrics = self.train_step(train_iter)
             state.iteration += 1
             state.consumed_samples += cfg.global_batch_size
             since += 1
             metrics["iteration"] = state.iteration
-            if torch.cuda.is_available():
-                metrics["max_memory_bytes"] = torch.cuda.max_memory_allocated()
-            if state.iteration == start + 1:
-                self._report_memory(metrics)
-                self._report_reads(train_iter)
             if cfg.compile:  # graphs dynamo built so far: a step that adds one recompiled
                 metrics["compiled_graphs"] = int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
+                # reduce-overhead: graphs inductor could not capture as CUDA graphs (they run uncaptured)
+                metrics["cudagraph_skips"] = int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
+            if pending is not None:
+                self._finish_step(pending, reporter, train_iter, start)
+            pending = metrics
             profiler.step(state.iteration)
-            self.history.append(metrics)
-            reporter.step(metrics)
-            self._check_finite(metrics["loss"])
-            if state.iteration % cfg.log_interval == 0 or state.iteration == cfg.train_iters:
-                if torch.cuda.is_available():
-                    torch.cuda.synchronize()
+            logging = state.iteration % cfg.log_interval == 0 or state.iteration == cfg.train_iters
+            validating = self.validator.should_run(state.iteration)
+            stopping = bool(cfg.exit_interval and state.iteration % cfg.exit_interval == 0)
+            saving = self.checkpointer.should_save(state.iteration, stopping=stopping)
+            if lag and not (logging or validating or saving or stopping or state.iteration == start + 1):
+                continue
+            self._finish_step(pending, reporter, train_iter, start)
+            pending = None
+            if logging:
                 reporter.log(metrics, time.time() - t0, since)
                 t0, since = time.time(), 0
-            if self.validator.should_run(state.iteration):
+            if validating:
                 reporter.validation(state.iteration, self.validator.run(state), components=self.eval_components)
-                t0 = time.time()
-            stopping = bool(cfg.exit_interval and state.iteration % cfg.exit_interval == 0)
-            if self.checkpointer.should_save(state.iteration, stopping=stopping):
+                t0 = self._finished_at = time.time()
+            if saving:
                 self.checkpointer.save(state)
-                t0 = time.time()
+                t0 = self._finished_at = time.time()
             if stopping:
                 print_rank_0(f"exiting at iteration {state.iteration} (--exit-interval {cfg.exit_interval})")
                 break
@@ -443,6 +465,22 @@ class Trainer:
             self.checkpointer.save(state)
         reporter.close()
         return self.history
+
+    def _finish_step(self, metrics: Dict, reporter: Reporter, train_iter, start: int) -> None:
+        """A step's metrics once the GPU has finished it: floats, its time (since the previous step finished),
+        peak memory; then the run's records and the NaN check."""
+        materialize(metrics)  # waits for this step's GPU work
+        now = time.time()
+        metrics["step_time"] = now - self._finished_at
+        metrics["wall_time"] = self._finished_at = now  # benchmarks measure time to first step from their launch
+        if torch.cuda.is_available():
+            metrics["max_memory_bytes"] = torch.cuda.max_memory_allocated()
+        if metrics["iteration"] == start + 1:
+            self._report_memory(metrics)
+            self._report_reads(train_iter)
+        self.history.append(metrics)
+        reporter.step(metrics)
+        self._check_finite(metrics["loss"])
 
     def _report_memory(self, metrics: Dict[str, float]) -> None:
         metrics.update({f"bytes_{k}": v for k, v in model_state_bytes(self.model, self.optimizer).items()})
