@@ -114,7 +114,9 @@ def test_fp16_dynamic_loss_scaling(tmp_path, plain):
 
 @pytest.mark.slow  # about a minute on 2 cores: inductor compiles the layer graph once
 @pytest.mark.parametrize("family,compiled", [("gpt", "4 transformer layers"), ("llama", "4 transformer layers"),
-                                              ("mixtral", "the attention of 4 MoE layers")])
+                                              ("qwen2", "4 transformer layers"), ("mistral", "4 transformer layers"),
+                                              ("mixtral", "the attention of 4 MoE layers"),
+                                              ("qwen2_moe", "the attention of 4 MoE layers")])
 def test_compile_builds_one_graph_for_all_layers_and_matches_eager(tmp_path, family, compiled):
     """--compile compiles each transformer layer (MoE layers: their attention): one graph serves all four layers
     (no graph break, no recompilation after the first step), and the losses are eager's within fp32

@@ -47,4 +47,6 @@ def apply_compile(chunks: List[torch.nn.Module], mode: str = "default") -> str:
                                                            4 * limit)
     parts = ([f"{dense} transformer layers"] if dense else []) + ([f"the attention of {moe} MoE layers"] if moe else [])
     how = "" if mode == "default" else f", mode {mode}"
+    if mode == "reduce-overhead" and not torch.cuda.is_available():
+        how += " (no GPU: runs without CUDA graphs)"
     return "torch.compile: " + " and ".join(parts) + f" compiled{how} (embedding, loss and schedule eager)"
