@@ -216,3 +216,15 @@ def test_run_bert_sh_defaults_both_losses_fall(tmp_path):
     assert mean(nsp[last]) < mean(nsp[first]) - 0.08, (mean(nsp[first]), mean(nsp[last]))
     assert "lm loss" in proc.stdout and "sop loss" in proc.stdout and "validation at iteration 300" in proc.stdout
     assert (tmp_path / "out" / "checkpoints" / "latest_checkpointed_iteration.txt").read_text().strip() == "300"
+
+
+@pytest.mark.slow  # inductor compiles the BERT layer on 2 cores: about a minute
+def test_compile_builds_one_graph_and_matches_eager(reference, bert_flags, tmp_path):
+    """--compile on BERT (post-norm layers, padding mask, two losses): one graph for all four layers in training
+    and one more for evaluation (iteration 3: eval mode without gradients), nothing recompiled after that, and
+    eager's losses within fp32 reduction-order noise."""
+    lines, proc = run_bert(tmp_path, 1, bert_flags, "--compile")
+    assert "torch.compile: 4 transformer layers compiled" in proc.stdout
+    graphs = per_iteration(lines, "compiled_graphs")
+    assert graphs == [1, 1, 1, 2, 2, 2], graphs
+    assert_same_run(lines, reference[0], rel=1e-5)
