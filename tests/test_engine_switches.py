@@ -129,12 +129,13 @@ def test_compile_builds_one_graph_for_all_layers_and_matches_eager(tmp_path, fam
     assert train_losses(lines) == pytest.approx(train_losses(eager), rel=1e-5)
 
 
-def test_deferred_step_metrics_record_what_immediate_ones_do(tmp_path):
+@pytest.mark.parametrize("precision", [[], ["--fp16"]], ids=["fp32", "fp16"])  # fp16: a loss scale that moves
+def test_deferred_step_metrics_record_what_immediate_ones_do(tmp_path, precision):
     """On a GPU the loop reads a step's metrics only once the next step is queued (no host synchronisation
     between steps); iterations that log, evaluate or save are finished at once. The same run with deferred
     metrics (forced on here, on the CPU) writes the same records in the same order, and saves the same
     checkpoints, as the run that finishes every step at once."""
-    args = ["--train-iters", "7", "--log-interval", "5", "--eval-interval", "3", "--save-interval", "4"]
+    args = ["--train-iters", "7", "--log-interval", "5", "--eval-interval", "3", "--save-interval", "4", *precision]
     now, _ = run_engine(tmp_path / "now", 1, *args, "--save", str(tmp_path / "now" / "ckpt"))
     deferred, _ = run_counting_forwards(tmp_path / "deferred", *args, "--save", str(tmp_path / "deferred" / "ckpt"))
 

@@ -355,7 +355,8 @@ class Trainer:
     def _loss_scale(self):
         """The loss scale after this step's update (fp16 dynamic scaling lowers it on a skipped step); a tensor
         on the device or 1.0."""
-        return self.optimizer.get_loss_scale() if hasattr(self.optimizer, "get_loss_scale") else 1.0
+        # a copy: the report may read it after the next step, whose scaler update must not show through
+        return self.optimizer.get_loss_scale().detach().clone() if hasattr(self.optimizer, "get_loss_scale") else 1.0
 
     @torch.no_grad()
     def evaluate(self, iterator, iters: int) -> float:
@@ -381,8 +382,8 @@ class Trainer:
         return (f"model: {cfg.model_family or 'custom'} {self.num_params / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
                 f"hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, seq {cfg.seq_length} | "
                 f"TP {cfg.tensor_model_parallel_size} PP {cfg.pipeline_model_parallel_size} DP {cfg.data_parallel_size}"
-                f"{' VPP ' + str(vpp) if vpp else ''}{self._describe_moe()} | {cfg.params_dtype_name}{' (bf16 gradients)' if cfg.grad_reduce_in_bf16 else ''} | "
-                f"ZeRO-{zero} | "
+                f"{' VPP ' + str(vpp) if vpp else ''}{self._describe_moe()} | {cfg.params_dtype_name}"
+                f"{' (bf16 gradients)' if cfg.grad_reduce_in_bf16 else ''} | ZeRO-{zero} | "
                 f"micro batch {cfg.micro_batch_size} x {cfg.num_microbatches} accumulation x DP {cfg.data_parallel_size} = "
                 f"global batch {cfg.global_batch_size} | optimizer: {self.optimizer_name} | "
                 f"recompute {self.model[0].config.recompute_granularity or 'off'}"  # the built model's own setting
