@@ -3,11 +3,15 @@ the GPT model at TP2 with a fused loss against the unfused one, and a pair of en
 from __future__ import annotations
 
 import importlib
+import json
+import os
+from typing import Callable, Dict
 
 import pytest
 import torch
+import torch.multiprocessing as mp
 
-from engine_utils import per_iteration, run_engine
+from engine_utils import free_port, per_iteration, run_engine
 from megatron_patch.config import parse_args
 
 # A tiny GPT at TP2 with 100 tokens: with --make-vocab-size-divisible-by 64, 128 rows (64 per rank), 28 of them padding.
@@ -19,6 +23,33 @@ TP2_BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-at
 def rel(a, b) -> float:
     """Largest difference relative to the largest magnitude of the reference."""
     return ((a.double() - b.double()).abs().max() / b.double().abs().max()).item()
+
+
+def tp2_results(tmp_path, body: Callable, flags, **env: str) -> dict:
+    """Run `body(rank, tp_group)` on two gloo processes initialized with TP2_BASE + `flags` (and `env` set in each
+    process before that); returns rank 0's result (a JSON-able dict). `body` must be a module-level function."""
+    out = str(tmp_path / "tp.json")
+    mp.start_processes(_tp2_worker, args=(free_port(), out, body, list(flags), env), nprocs=2, start_method="spawn")
+    with open(out) as f:
+        return json.load(f)
+
+
+def _tp2_worker(rank: int, port: int, out: str, body: Callable, flags, env: Dict[str, str]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE="2", **env)
+    torch.set_num_threads(1)
+    from megatron.core import parallel_state as mpu
+
+    from megatron_patch.parallel import destroy, initialize
+
+    initialize(parse_args(TP2_BASE + flags))
+    try:
+        results = body(rank, mpu.get_tensor_model_parallel_group())
+        if rank == 0:
+            with open(out, "w") as f:
+                json.dump(results, f)
+    finally:
+        destroy()
 
 
 def model_check(base, fused_flags, module: str, function: str, switch: str) -> dict:

@@ -5,19 +5,16 @@ sequence parallelism, with a rank whose rows are all padding) against TP1; insid
 path; no labels: logits); and in the engine, where a run with the switch trains like one without it."""
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from engine_utils import free_port  # noqa: E402
-from loss_fusion_utils import TP2_BASE, engine_pair, model_check, rel  # noqa: E402
+from loss_fusion_utils import TP2_BASE, engine_pair, model_check, rel, tp2_results  # noqa: E402
 
 from megatron_patch.config import ConfigError, parse_args  # noqa: E402
 from megatron_patch.models.linear_cross_entropy import chunk_tokens, linear_cross_entropy  # noqa: E402
@@ -107,54 +104,39 @@ def test_megatron_core_output_processor_hook():
 
 # ---- tensor parallel (2 gloo processes)
 
-def _tp_worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2")
-    torch.set_num_threads(1)
+def _tp_body(rank: int, group) -> dict:
     import torch.distributed as dist
-    from megatron.core import parallel_state as mpu
 
-    from megatron_patch.parallel import destroy, initialize
-
-    initialize(parse_args(TP2_BASE + FUSED))
-    try:
-        group = mpu.get_tensor_model_parallel_group()
-        results = {"function": {}}
-        # vocab 45: rank 1 holds rows 24..47, of which 45..47 are padding; vocab 20: rank 1's rows are all padding
-        for vocab in (45, 20):
-            hidden, weight, labels, grad = inputs(torch.float32, seed=1, s=14, vocab=vocab)
-            ref = loss_and_grads(linear_cross_entropy, hidden, weight, labels, grad, vocab)  # TP1, one chunk
-            plain = plain_loss(hidden, weight, labels, vocab)
-            shard = weight.chunk(2)[rank]
-            for sp in (False, True):
-                h = hidden.chunk(2)[rank] if sp else hidden  # sequence parallel: this rank's part of the sequence
-                h, w = h.clone().requires_grad_(), shard.clone().requires_grad_()
-                loss = linear_cross_entropy(h, w, labels, vocab, tp_group=group, sequence_parallel=sp, chunk_size=5)
-                gh, gw = torch.autograd.grad((loss * grad).sum(), [h, w])
-                gws = [torch.empty_like(gw) for _ in range(2)]
-                dist.all_gather(gws, gw)
-                full_gh = gh
-                if sp:
-                    parts = [torch.empty_like(gh) for _ in range(2)]
-                    dist.all_gather(parts, gh.contiguous())
-                    full_gh = torch.cat(parts)
-                results["function"][f"vocab{vocab}_sp{int(sp)}"] = {
-                    "loss": rel(loss, ref[0]), "loss_plain": rel(loss, plain), "hidden": rel(full_gh, ref[1]),
-                    "weight": rel(torch.cat(gws), ref[2]), "padded_weight_grad": torch.cat(gws)[vocab:].abs().max().item()}
-        # GPT ties the output layer to the embedding; gpt.py calls linear_cross_entropy by its imported name
-        results["model"] = model_check(TP2_BASE, FUSED, "megatron_patch.models.gpt", "linear_cross_entropy",
-                                       "fused_linear_cross_entropy")
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(results, f)
-    finally:
-        destroy()
+    results = {"function": {}}
+    # vocab 45: rank 1 holds rows 24..47, of which 45..47 are padding; vocab 20: rank 1's rows are all padding
+    for vocab in (45, 20):
+        hidden, weight, labels, grad = inputs(torch.float32, seed=1, s=14, vocab=vocab)
+        ref = loss_and_grads(linear_cross_entropy, hidden, weight, labels, grad, vocab)  # TP1, one chunk
+        plain = plain_loss(hidden, weight, labels, vocab)
+        shard = weight.chunk(2)[rank]
+        for sp in (False, True):
+            h = hidden.chunk(2)[rank] if sp else hidden  # sequence parallel: this rank's part of the sequence
+            h, w = h.clone().requires_grad_(), shard.clone().requires_grad_()
+            loss = linear_cross_entropy(h, w, labels, vocab, tp_group=group, sequence_parallel=sp, chunk_size=5)
+            gh, gw = torch.autograd.grad((loss * grad).sum(), [h, w])
+            gws = [torch.empty_like(gw) for _ in range(2)]
+            dist.all_gather(gws, gw)
+            full_gh = gh
+            if sp:
+                parts = [torch.empty_like(gh) for _ in range(2)]
+                dist.all_gather(parts, gh.contiguous())
+                full_gh = torch.cat(parts)
+            results["function"][f"vocab{vocab}_sp{int(sp)}"] = {
+                "loss": rel(loss, ref[0]), "loss_plain": rel(loss, plain), "hidden": rel(full_gh, ref[1]),
+                "weight": rel(torch.cat(gws), ref[2]), "padded_weight_grad": torch.cat(gws)[vocab:].abs().max().item()}
+    # GPT ties the output layer to the embedding; gpt.py calls linear_cross_entropy by its imported name
+    results["model"] = model_check(TP2_BASE, FUSED, "megatron_patch.models.gpt", "linear_cross_entropy",
+                                   "fused_linear_cross_entropy")
+    return results
 
 
 def test_tensor_parallel_equals_one_rank(tmp_path):
-    out = str(tmp_path / "tp.json")
-    mp.start_processes(_tp_worker, args=(free_port(), out), nprocs=2, start_method="spawn")
-    res = json.load(open(out))
+    res = tp2_results(tmp_path, _tp_body, FUSED)
     for case, r in res["function"].items():
         assert r["loss"] < 1e-6 and r["loss_plain"] < 1e-6, (case, r)
         assert r["hidden"] < 1e-6 and r["weight"] < 1e-6, (case, r)

@@ -12,7 +12,6 @@ setting before triton is imported (megatron-core imports it), and it does not le
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
@@ -20,11 +19,10 @@ import sys
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_utils import free_port  # noqa: E402
-from loss_fusion_utils import TP2_BASE, engine_pair, model_check, rel  # noqa: E402
+from loss_fusion_utils import TP2_BASE, engine_pair, model_check, rel, tp2_results  # noqa: E402
 
 from megatron_patch.config import ConfigError, parse_args  # noqa: E402
 from megatron_patch.models.triton_cross_entropy import _launch_config, triton_vocab_parallel_cross_entropy  # noqa: E402
@@ -174,48 +172,32 @@ def test_labels_layout_is_checked():
 
 # ---- tensor parallel (2 gloo processes)
 
-def _tp_worker(rank: int, port: int, out: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE="2", TRITON_INTERPRET="1")
-    torch.set_num_threads(1)
-    from megatron.core import parallel_state as mpu
-
-    from megatron_patch.parallel import destroy, initialize
-
-    initialize(parse_args(TP2_BASE + TRITON))
-    try:
-        group = mpu.get_tensor_model_parallel_group()
-        results = {"function": {}}
-        # vocab 45: rank 1 holds columns 24..47, of which 45..47 are padding; vocab 20: rank 1's are all padding
-        for vocab in (45, 20):
-            for dtype in (torch.float32, torch.bfloat16):
-                logits, labels, grad = inputs(dtype, seed=1, s=14, vocab=vocab)
-                tp1 = loss_and_grad(triton_vocab_parallel_cross_entropy, logits, labels, grad, vocab)
-                shard = logits.chunk(2, dim=-1)[rank]
-                loss, gl, _ = loss_and_grad(triton_vocab_parallel_cross_entropy, shard, labels, grad, vocab,
-                                            tp_group=group, block_size=8)
-                mc_loss, mc_grad, _ = loss_and_grad(megatron_loss, shard, labels, grad, vocab, group)
-                grads = [torch.empty_like(gl) for _ in range(2)]
-                dist.all_gather(grads, gl.contiguous())
-                full = torch.cat(grads, dim=-1)
-                results["function"][f"vocab{vocab}_{str(dtype)[6:]}"] = {
-                    "loss_tp1": rel(loss, tp1[0]), "grad_tp1": rel(full, tp1[1]),
-                    "loss_megatron": rel(loss, mc_loss), "grad_megatron": rel(gl, mc_grad),
-                    "padded_grad": full[..., vocab:].abs().max().item()}
-        # gpt.py imports the function from its module at each call, so the module's name is the one to count
-        results["model"] = model_check(TP2_BASE, TRITON, "megatron_patch.models.triton_cross_entropy",
-                                       "triton_vocab_parallel_cross_entropy", "triton_cross_entropy")
-        if rank == 0:
-            with open(out, "w") as f:
-                json.dump(results, f)
-    finally:
-        destroy()
+def _tp_body(rank: int, group) -> dict:
+    results = {"function": {}}
+    # vocab 45: rank 1 holds columns 24..47, of which 45..47 are padding; vocab 20: rank 1's are all padding
+    for vocab in (45, 20):
+        for dtype in (torch.float32, torch.bfloat16):
+            logits, labels, grad = inputs(dtype, seed=1, s=14, vocab=vocab)
+            tp1 = loss_and_grad(triton_vocab_parallel_cross_entropy, logits, labels, grad, vocab)
+            shard = logits.chunk(2, dim=-1)[rank]
+            loss, gl, _ = loss_and_grad(triton_vocab_parallel_cross_entropy, shard, labels, grad, vocab,
+                                        tp_group=group, block_size=8)
+            mc_loss, mc_grad, _ = loss_and_grad(megatron_loss, shard, labels, grad, vocab, group)
+            grads = [torch.empty_like(gl) for _ in range(2)]
+            dist.all_gather(grads, gl.contiguous())
+            full = torch.cat(grads, dim=-1)
+            results["function"][f"vocab{vocab}_{str(dtype)[6:]}"] = {
+                "loss_tp1": rel(loss, tp1[0]), "grad_tp1": rel(full, tp1[1]),
+                "loss_megatron": rel(loss, mc_loss), "grad_megatron": rel(gl, mc_grad),
+                "padded_grad": full[..., vocab:].abs().max().item()}
+    # gpt.py imports the function from its module at each call, so the module's name is the one to count
+    results["model"] = model_check(TP2_BASE, TRITON, "megatron_patch.models.triton_cross_entropy",
+                                   "triton_vocab_parallel_cross_entropy", "triton_cross_entropy")
+    return results
 
 
 def test_tensor_parallel_equals_one_rank(tmp_path):
-    out = str(tmp_path / "tp.json")
-    mp.start_processes(_tp_worker, args=(free_port(), out), nprocs=2, start_method="spawn")
-    res = json.load(open(out))
+    res = tp2_results(tmp_path, _tp_body, TRITON, TRITON_INTERPRET="1")
     for case, r in res["function"].items():
         tol = 1e-6 if case.endswith("float32") else 2**-8  # bf16: the gradient may round to a neighbouring step
         assert r["loss_tp1"] < 1e-6 and r["loss_megatron"] < 1e-6, (case, r)
