@@ -43,8 +43,10 @@ apply_cpu_backend() (cpu_backend.py), order `CPU_BACKEND`:
 
 apply_gpu_fixes() (multi_tensor.py), order `GPU`:
   1. foreach_multi_tensor_fallbacks   megatron-core's local multi-tensor l2 norm / scale -> torch foreach kernels
-  Why: without apex/TE the fallbacks sync the host once per parameter tensor in every gradient norm; they are
-  replaced only where they are upstream's local ones (apex's or TE's kernels stay).
+  2. grad_clip_without_host_sync      clip_grads gets a foreach multi_tensor_scale_tensor: norm kept on the device
+  Why: without apex/TE the fallbacks sync the host once per parameter tensor in every gradient norm, and the
+  norm itself is read on the host mid-step; they are replaced only where they are upstream's local ones (apex's
+  or TE's kernels stay).
 
 apply_megatron_fsdp_fixes() (megatron_fsdp.py), order `MEGATRON_FSDP`:
   1. dp_tp_mesh_from_groups       FSDP adapter's (dp, tp) mesh from the real groups (PP > 1)

@@ -1,4 +1,4 @@
-"""`--profile`: torch.profiler over iterations [--profile-step-start, --profile-step-end), with a breakdown of
+"""`--profile`: torch.profiler over iterations (--profile-step-start, --profile-step-end], with a breakdown of
 the GPU's time by kind of kernel (matrix multiply, attention, loss, optimizer, communication, the rest: norms,
 activations, RoPE and other elementwise work) and its idle time, printed by rank 0 and written as JSON next to
 the Chrome trace (open it in Perfetto or chrome://tracing)."""
@@ -104,9 +104,10 @@ class Profiler:
         os.makedirs(self.dir, exist_ok=True)
         self.prof.export_chrome_trace(os.path.join(self.dir, f"trace_rank{self.rank}.json"))
         if self.rank == 0:
+            every = top_kernels(kernels, n=len(kernels))  # every kernel by category, largest first
             with open(os.path.join(self.dir, "breakdown.json"), "w") as f:
-                json.dump({"steps": steps, "seconds": seconds, "top_kernels": top_kernels(kernels),
-                           "kernels": {n: t for n, t in top_kernels(kernels, n=10**6).items()}}, f, indent=1)
+                json.dump({"steps": steps, "seconds": seconds, "kernels": every,
+                           "top_kernels": {c: rows[:5] for c, rows in every.items()}}, f, indent=1)
             print(format_breakdown(seconds, steps) if seconds else "profile: no GPU kernels recorded (CPU run)",
                   flush=True)
         self.prof = None
