@@ -115,3 +115,19 @@ def test_fast_configuration_tracks_plain_over_50_steps_on_real_data(tmp_path, fa
     print(f"{family}: loss {plain[0]:.3f} -> {plain[-1]:.3f}, fast vs plain max relative difference {worst:.2e}")
     assert len(plain) == 50 and plain[-1] < plain[0] - 1.0
     assert fast == pytest.approx(plain, rel=1e-2)
+
+
+def test_step_times_add_up_to_the_wall_clock_with_deferred_metrics(tmp_path):
+    """Step metrics are read one step late on a GPU, and the host queues ahead until CUDA's launch queue is full,
+    so it reads step N only near the end of step N+1. Each step's time comes from CUDA events (step_clock.py):
+    the steps between two logged iterations (read at once) add up to the wall clock between them. Timed by the
+    host, the window after each logged iteration would have counted one step too few (10% at this interval)."""
+    lines, _ = run_engine(tmp_path, 1, "--bf16", "--hidden-size", "1024", "--num-attention-heads", "16",
+                          "--num-layers", "8", "--seq-length", "1024", "--micro-batch-size", "8",
+                          "--global-batch-size", "32", "--vocab-size", "32000", "--train-iters", "30",
+                          "--log-interval", "10", "--eval-iters", "0")
+    steps = {x["iteration"]: x for x in lines if "loss" in x}
+    for a, b in ((10, 20), (20, 30)):
+        summed = sum(steps[i]["step_time"] for i in range(a + 1, b + 1))
+        wall = steps[b]["wall_time"] - steps[a]["wall_time"]
+        assert summed == pytest.approx(wall, rel=0.04), f"iterations {a + 1}-{b}: step times {summed:.3f} s, wall {wall:.3f} s"

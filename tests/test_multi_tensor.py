@@ -46,7 +46,7 @@ def test_scale_tensor_clips_in_place_by_a_device_coefficient():
 
 
 @pytest.mark.gpu  # megatron-core's clip_grads allocates on "cuda"
-def test_megatron_clips_without_reading_the_norm_once_patched():
+def test_megatron_clips_without_reading_the_norm_once_patched(tmp_path):
     """With the patch, megatron-core's own get_grad_norm_fp32 / clip_grad_by_total_norm_fp32 keep the norm a
     tensor and clip by it (their TE path); the result equals clipping by the float norm."""
     from megatron.core.optimizer import clip_grads
@@ -54,6 +54,9 @@ def test_megatron_clips_without_reading_the_norm_once_patched():
     from megatron_patch.compat import multi_tensor
     from megatron_patch.compat.registry import _ORIGINALS
 
+    import torch.distributed as dist
+
+    dist.init_process_group("nccl", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)  # the norm's all-reduce
     multi_tensor.grad_clip_without_host_sync()
     try:
         params = [torch.nn.Parameter(t.cuda()) for t in _tensors(4)]
@@ -68,3 +71,4 @@ def test_megatron_clips_without_reading_the_norm_once_patched():
             torch.testing.assert_close(p.grad, w * (1.0 / (ref + 1e-6)))
     finally:
         clip_grads.multi_tensor_scale_tensor_impl = _ORIGINALS.pop((clip_grads, "multi_tensor_scale_tensor_impl"))
+        dist.destroy_process_group()

@@ -33,6 +33,7 @@ from .moe_metrics import MoEMetrics
 from .optimizer import build_optimizer, build_scheduler
 from .profiling import Profiler
 from .reporting import Reporter
+from .step_clock import StepClock
 
 
 class TrainingDiverged(RuntimeError):
@@ -421,15 +422,17 @@ class Trainer:
         train_iter = self._iterators(self.train_ds, state.consumed_samples, cycle=False)
         start = state.iteration
         t0, since = time.time(), 0
-        self._finished_at = time.time()
-        pending = None  # the previous step's metrics, still on the device
+        self._clock = StepClock(torch.cuda.is_available())
+        pending = None  # the previous step's metrics, still on the device, and the mark of its end
         lag = torch.cuda.is_available() if self.defer_step_metrics is None else self.defer_step_metrics
         while state.iteration < cfg.train_iters:
             # On a GPU a step's metrics stay on the device until the next step is queued: the host then waits for
-            # the previous step only, and the GPU never idles between steps. Iterations that log, evaluate, save
+            # the previous step only, and the GPU does not idle between steps. Iterations that log, evaluate, save
             # or stop are finished at once (a NaN loss is caught at most one iteration late otherwise). On the
-            # CPU the work is synchronous anyway: every step is finished at once.
+            # CPU the work is synchronous anyway: every step is finished at once. Step times come from the
+            # clock's marks (CUDA events on a GPU), not from when the host reads a step.
             metrics = self.train_step(train_iter)
+            end = self._clock.mark()
             state.iteration += 1
             state.consumed_samples += cfg.global_batch_size
             since += 1
@@ -439,8 +442,8 @@ class Trainer:
                 # reduce-overhead: graphs inductor could not capture as CUDA graphs (they run uncaptured)
                 metrics["cudagraph_skips"] = int(torch._dynamo.utils.counters["inductor"]["cudagraph_skips"])
             if pending is not None:
-                self._finish_step(pending, reporter, train_iter, start)
-            pending = metrics
+                self._finish_step(*pending, reporter, train_iter, start)
+            pending = (metrics, end)
             profiler.step(state.iteration)
             logging = state.iteration % cfg.log_interval == 0 or state.iteration == cfg.train_iters
             validating = self.validator.should_run(state.iteration)
@@ -448,17 +451,19 @@ class Trainer:
             saving = self.checkpointer.should_save(state.iteration, stopping=stopping)
             if lag and not (logging or validating or saving or stopping or state.iteration == start + 1):
                 continue
-            self._finish_step(pending, reporter, train_iter, start)
+            self._finish_step(*pending, reporter, train_iter, start)
             pending = None
             if logging:
                 reporter.log(metrics, time.time() - t0, since)
                 t0, since = time.time(), 0
             if validating:
                 reporter.validation(state.iteration, self.validator.run(state), components=self.eval_components)
-                t0 = self._finished_at = time.time()
+                t0 = time.time()
+                self._clock.restart()
             if saving:
                 self.checkpointer.save(state)
-                t0 = self._finished_at = time.time()
+                t0 = time.time()
+                self._clock.restart()
             if stopping:
                 print_rank_0(f"exiting at iteration {state.iteration} (--exit-interval {cfg.exit_interval})")
                 break
@@ -467,13 +472,12 @@ class Trainer:
         reporter.close()
         return self.history
 
-    def _finish_step(self, metrics: Dict, reporter: Reporter, train_iter, start: int) -> None:
-        """A step's metrics once the GPU has finished it: floats, its time (since the previous step finished),
-        peak memory; then the run's records and the NaN check."""
+    def _finish_step(self, metrics: Dict, end, reporter: Reporter, train_iter, start: int) -> None:
+        """A step's metrics once the GPU has finished it: floats, its time (from the end of the previous step to
+        `end`, the clock's mark after it), peak memory; then the run's records and the NaN check."""
         materialize(metrics)  # waits for this step's GPU work
-        now = time.time()
-        metrics["step_time"] = now - self._finished_at
-        metrics["wall_time"] = self._finished_at = now  # benchmarks measure time to first step from their launch
+        metrics["step_time"] = self._clock.elapsed(end)
+        metrics["wall_time"] = time.time()  # benchmarks measure time to first step from their launch
         if torch.cuda.is_available():
             metrics["max_memory_bytes"] = torch.cuda.max_memory_allocated()
         if metrics["iteration"] == start + 1:
