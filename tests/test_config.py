@@ -140,6 +140,7 @@ def test_entry_point_reports_config_errors(tmp_path):
     (["--compile", "--compile-mode", "fast"], "invalid choice"),
     (["--grad-reduce-in-bf16"], "--grad-reduce-in-bf16 applies to bf16 training: add --bf16"),
     (["--grad-reduce-in-bf16", "--bf16", "--zero-2-memory-optimization"], "ZeRO-2 (Megatron-FSDP) keeps its sharded"),
+    (["--gradient-accumulation-fusion", "--zero-2-memory-optimization"], "ZeRO-2 (Megatron-FSDP) shards its gradients"),
 ])
 def test_performance_flag_rejections(argv, match):
     with pytest.raises(ConfigError, match=re.escape(match)):

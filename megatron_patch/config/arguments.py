@@ -160,6 +160,9 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--grad-reduce-in-bf16", action="store_true",
                    help="with --bf16: accumulate and reduce gradients in bf16 instead of fp32 (Megatron-LM's flag): "
                         "half the gradient buffer and its traffic, coarser accumulation over micro batches")
+    g.add_argument("--gradient-accumulation-fusion", action="store_true",
+                   help="linear layers accumulate their weight gradients straight into the gradient buffer (one "
+                        "GEMM per weight and micro batch, no separate add; Megatron-LM's default with apex)")
     g.add_argument("--loss-scale", type=float, help="static loss scale for fp16 (default: dynamic)")
     g.add_argument("--initial-loss-scale", type=float)
     g.add_argument("--min-loss-scale", type=float, help=f"dynamic scaling never goes below this (default {_D.min_loss_scale:g})")

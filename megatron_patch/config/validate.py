@@ -244,6 +244,9 @@ def validate(c: Config, world_size: int) -> None:
     if c.grad_reduce_in_bf16 and c.zero_2_memory_optimization:
         _fail("--grad-reduce-in-bf16 is for plain data parallelism and --zero-1-memory-optimization; ZeRO-2 "
               "(Megatron-FSDP) keeps its sharded gradients in fp32: drop one of the two")
+    if c.gradient_accumulation_fusion and c.zero_2_memory_optimization:
+        _fail("--gradient-accumulation-fusion accumulates into the DDP / ZeRO-1 gradient buffer; ZeRO-2 "
+              "(Megatron-FSDP) shards its gradients itself: drop one of the two")
     if c.checkpoint_activations and c.recompute_granularity is None:
         c.recompute_granularity = "full"
     if c.recompute_granularity not in (None, "full", "selective"):

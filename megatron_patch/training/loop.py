@@ -22,6 +22,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron_patch.config import Config, ConfigError
 from megatron_patch.models import build_bert_model, build_gpt_model, padded_vocab_size
 from megatron_patch.models.init import layout_invariant_init
+from megatron_patch.models.wgrad_fusion import apply_gradient_accumulation_fusion
 from megatron_patch.parallel import initialize, print_rank_0
 
 from .checkpoint import Checkpointer, TrainState
@@ -89,6 +90,8 @@ def build_model_chunks(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
         loaded = load_hf_weights(chunks, cfg, cfg.load_hf)
         for line in describe_load(loaded, f"--load-hf {cfg.load_hf}"):
             print_rank_0(line)
+    if cfg.gradient_accumulation_fusion:
+        print_rank_0(apply_gradient_accumulation_fusion(chunks))
     if cfg.compile:
         print_rank_0(apply_compile(chunks, cfg.compile_mode))
     return chunks
