@@ -36,11 +36,14 @@ SHAPES = {
     "llama-1.3b": dict(family="llama", layers=24, hidden=2048, ffn=5504, heads=16, seq=2048, vocab=32000, mbs=4, acc=8),
     "gpt2-124m": dict(family="gpt", layers=12, hidden=768, ffn=3072, heads=12, seq=1024, vocab=50257, mbs=16, acc=4),
 }
-# The fastest flags measured for each shape (RESULTS.md): layers compiled, the Triton cross entropy; GPT-2 also
-# replays its layers as CUDA graphs (host overhead), Llama also keeps bf16 gradients (+1.5%; reduce-overhead 0%).
+# The fastest flags measured for each shape (RESULTS.md): layers compiled, the Triton cross entropy, weight
+# gradients accumulated into the buffer by their GEMM; GPT-2 also replays its layers as CUDA graphs (host
+# overhead), Llama also keeps bf16 gradients (reduce-overhead gains nothing there).
 BEST_ARGS = {
-    "gpt2-124m": "--compile --compile-mode reduce-overhead --cross-entropy-loss-fusion --cross-entropy-fusion-impl triton",
-    "llama-1.3b": "--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl triton --grad-reduce-in-bf16",
+    "gpt2-124m": "--compile --compile-mode reduce-overhead --cross-entropy-loss-fusion --cross-entropy-fusion-impl triton "
+                 "--gradient-accumulation-fusion",
+    "llama-1.3b": "--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl triton --grad-reduce-in-bf16 "
+                  "--gradient-accumulation-fusion",
 }
 
 
@@ -70,7 +73,8 @@ def run_engine(a, s, name: str, extra: list):
             "loss_first": lines[0]["loss"], "loss_last": lines[-1]["loss"], "wall_s": time.time() - t,
             "first_step_s": lines[0]["wall_time"] - t, "peak_gib": max(x["max_memory_bytes"] for x in lines) / 2**30,
             "graphs_after_step2": graphs[-1] - graphs[1], "flags": extra,
-            "log": [ln for ln in proc.stdout.splitlines() if ln.startswith(("model", "iteration", "torch.compile"))]}
+            "log": [ln for ln in proc.stdout.splitlines()
+                    if ln.startswith(("model", "iteration", "torch.compile", "gradient accumulation"))]}
 
 
 def _hf_model(s, liger: bool):
