@@ -61,7 +61,8 @@ def _fused_and_plain(dtype, compiled=False):
     return (xf, wf, bf, main_grad, flat), (xp, wp, bp), codes
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)],  # slow: inductor's C++ build
+                         ids=["eager", "compiled"])
 def test_linear_into_main_grad_gives_torchs_gradients(compiled):
     """Compiled, the function is one graph (fullgraph) whose backward calls the op on the buffer itself: a
     functionalised copy back would cost the read-modify-write the fusion exists to save."""
