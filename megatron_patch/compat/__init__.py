@@ -71,6 +71,7 @@ apply_onnx_runtime_fixes() (onnx_runtime.py), order `ONNX_RUNTIME`:
 
 Called at their call sites (not applied globally):
   dynamo.py        tp_group_default_without_warning (--compile: training/compile.py, before compiling)
+  linear.py        route_linears_through (--gradient-accumulation-fusion: models/wgrad_fusion.py, built chunks)
   optimizer.py     replace_torch_optimizer (LAMB into megatron-core's wrappers), use_fused_adam (GPU)
   adam_state.py    fill_empty_adam_state, restore_adam_step, steps_on_param_device (checkpointing)
   megatron_fsdp.py use_distributed_params, copy_main_to_model_params, prepare_uneven_dtensor_state (ZeRO-2 checkpoints)
@@ -105,8 +106,8 @@ import logging
 
 import torch
 
-from . import (adam_state, cpu_backend, dynamo, megatron_fsdp, moe, multi_tensor, onnx_runtime,  # noqa: F401  (registers patches)
-               optimizer, post_layernorm, safe_loading)
+from . import (adam_state, cpu_backend, dynamo, linear, megatron_fsdp, moe, multi_tensor,  # noqa: F401  (registers patches)
+               onnx_runtime, optimizer, post_layernorm, safe_loading)
 from .registry import PATCHES, Patch
 from .versions import TESTED, UntestedVersionWarning, check_versions
 
