@@ -79,16 +79,15 @@ def test_linear_into_main_grad_gives_torchs_gradients(compiled):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,extra", [
-    (1, []), (1, ["--bf16", "--grad-reduce-in-bf16", "--model-family", "llama"]), (1, ["--compile"]),
+@pytest.mark.parametrize("nproc,layout,extra", [
+    (1, [], []), (1, [], ["--bf16", "--grad-reduce-in-bf16", "--model-family", "llama"]), (1, [], ["--compile"]),
     # TP 2: row-parallel linears fused, column-parallel ones (an all-reduce inside) on megatron-core's path
-    (2, ["--tensor-model-parallel-size", "2"]), (2, ["--zero-1-memory-optimization"]),
+    (2, ["--tensor-model-parallel-size", "2"], []), (2, ["--zero-1-memory-optimization"], []),
 ], ids=["fp32", "bf16-grads-llama", "compile", "tp2", "dp2-zero1"])
-def test_engine_with_fusion_trains_like_the_unfused_single_process_run(tmp_path, nproc, extra):
+def test_engine_with_fusion_trains_like_the_unfused_single_process_run(tmp_path, nproc, layout, extra):
     args = ["--train-iters", "4", "--eval-iters", "0", *extra]
-    single = [a for a in args if a not in ("--tensor-model-parallel-size", "2", "--zero-1-memory-optimization")]
-    plain, _ = run_engine(tmp_path / "plain", 1, *single)
-    fused, proc = run_engine(tmp_path / "fused", nproc, *args, "--gradient-accumulation-fusion")
+    plain, _ = run_engine(tmp_path / "plain", 1, *args)
+    fused, proc = run_engine(tmp_path / "fused", nproc, *args, *layout, "--gradient-accumulation-fusion")
     assert "gradient accumulation fusion: 17 linear layers" in proc.stdout  # 4 layers x 4 + output
     assert train_losses(fused) == pytest.approx(train_losses(plain), rel=1e-4)
 

@@ -3,8 +3,8 @@
 Without it, each linear layer's backward writes its weight gradient into a fresh `param.grad`, and megatron-core's
 DDP hook then adds that into `param.main_grad` (the flat buffer it reduces), once per micro batch: one extra
 read-modify-write of every weight gradient (measured on an H100: 4 ms of a 148 ms GPT-2 124M step, 22 ms of a
-1.1 s Llama 1.3B step; fused, the steps ran 0.8% and 1.0% faster). Megatron-LM fuses the two with apex's `fused_weight_gradient_mlp_cuda` (a GEMM with
-beta=1 into main_grad), which is absent here, and its autograd function assigns attributes of the weight in
+1.1 s Llama 1.3B step; fused, the steps ran 0.8% and 1.0% faster). Megatron-LM fuses the two with apex's
+`fused_weight_gradient_mlp_cuda` (a GEMM with beta=1 into main_grad), which is absent here, and its autograd function assigns attributes of the weight in
 backward, which torch.compile cannot trace inside a compiled layer. This module gives the eligible linears of a
 model (no tensor-parallel collective inside the linear: TP 1, or the row-parallel side) their own autograd
 function: the forward is the same matmul; the backward computes the input gradient and accumulates the weight

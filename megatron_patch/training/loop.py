@@ -461,10 +461,9 @@ class Trainer:
                 t0, since = time.time(), 0
             if validating:
                 reporter.validation(state.iteration, self.validator.run(state), components=self.eval_components)
-                t0 = time.time()
-                self._clock.restart()
             if saving:
                 self.checkpointer.save(state)
+            if validating or saving:  # neither is the next step's time
                 t0 = time.time()
                 self._clock.restart()
             if stopping:
