@@ -67,6 +67,15 @@ def test_cuda_graph_compile_mode_pads_batches_to_a_multiple():
     assert c.pad_to_multiple_of == 8
 
 
+def test_compile_flags_take_the_engine_spelling_too():
+    # the engine spells them --compile / --compile-mode; each front end accepts the other's spelling
+    a = parsed("--task masked_lm --pretrained-model-name-or-path m --data-path d --compile-mode reduce-overhead")
+    assert a.torch_compile and a.torch_compile_mode == "reduce-overhead"
+    from megatron_patch.config import parse_args as engine_args
+    c = engine_args(["--mock-data", "--torch-compile", "--torch-compile-mode", "reduce-overhead"])
+    assert c.compile and c.compile_mode == "reduce-overhead"
+
+
 def test_missing_schedule_flags_get_named_defaults():
     a = parsed("--task masked_lm --pretrained-model-name-or-path m --data-path d")
     assert a.epochs == 3 and a.lr == 5e-5 and a.micro_batch_size == 8

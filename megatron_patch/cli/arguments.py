@@ -137,7 +137,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="apex's fused Adam/LAMB when apex is installed, else torch's fused AdamW / our LAMB")
     g.add_argument("--torch-compile", "--compile", dest="torch_compile", action="store_true",
                    help="compile the model with torch.compile")
-    g.add_argument("--torch-compile-mode", default=None, choices=COMPILE_MODES,
+    g.add_argument("--torch-compile-mode", "--compile-mode", dest="torch_compile_mode", default=None, choices=COMPILE_MODES,
                    help="torch.compile's mode (implies --torch-compile); reduce-overhead and max-autotune replay "
                         "each step's kernels as CUDA graphs (GPU only), for batches padded to --pad-to-multiple-of")
     _bool(g, "--onnx-runtime-training", help="train through ONNX Runtime's ORTModule (optional extra)")

@@ -134,9 +134,9 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--skip-train", action="store_true", help="only evaluate (validation and test sets), e.g. after --load")
     g.add_argument("--no-load-optim", action="store_true", help="with --load, take only the weights (fine-tuning)")
     g.add_argument("--keep-last-n", type=int, help="after each save, delete all but the newest N complete checkpoints")
-    g.add_argument("--compile", action="store_true",
+    g.add_argument("--compile", "--torch-compile", dest="compile", action="store_true",
                    help="torch.compile each transformer layer (GPU; the attention only in MoE layers)")
-    g.add_argument("--compile-mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
+    g.add_argument("--compile-mode", "--torch-compile-mode", dest="compile_mode", choices=["default", "reduce-overhead", "max-autotune-no-cudagraphs"],
                    help="torch.compile's mode with --compile; reduce-overhead replays each compiled layer as a CUDA "
                         f"graph (less host overhead for small models, more memory) (default {_D.compile_mode})")
     g.add_argument("--profile", action="store_true",
