@@ -72,7 +72,8 @@ apply_onnx_runtime_fixes() (onnx_runtime.py), order `ONNX_RUNTIME`:
 Called at their call sites (not applied globally):
   dynamo.py        tp_group_default_without_warning (--compile: training/compile.py, before compiling)
   linear.py        route_linears_through (--gradient-accumulation-fusion: models/wgrad_fusion.py, built chunks)
-  optimizer.py     replace_torch_optimizer (LAMB into megatron-core's wrappers), use_fused_adam (GPU)
+  optimizer.py     replace_torch_optimizer (LAMB into megatron-core's wrappers), use_fused_adam (GPU),
+                   fuse_optimizer_step (--optimizer-step-fusion: training/fused_adam.py, built optimizer)
   adam_state.py    fill_empty_adam_state, restore_adam_step, steps_on_param_device (checkpointing)
   megatron_fsdp.py use_distributed_params, copy_main_to_model_params, prepare_uneven_dtensor_state (ZeRO-2 checkpoints)
   post_layernorm.py post_layernorm_transformer_layer, drop_final_layernorm, norm_before_embedding_dropout

@@ -134,6 +134,22 @@ def validate_loss_fusion(c: Config) -> None:
                   "slow, for tests), or use --cross-entropy-fusion-impl linear")
 
 
+def _validate_optimizer_step_fusion(c: Config) -> None:
+    if not c.bf16:
+        _fail("--optimizer-step-fusion fuses the bf16 optimizer's step (fp32 main weights behind bf16 ones): add --bf16")
+    for flag, on in (("--zero-1-memory-optimization", c.zero_1_memory_optimization),
+                     ("--zero-2-memory-optimization", c.zero_2_memory_optimization), ("--cpu-offload", c.cpu_offload),
+                     ("--optimizers apex_lamb", c.optimizers == "apex_lamb")):
+        if on:
+            _fail(f"--optimizer-step-fusion runs Adam on unsharded GPU state; {flag} steps another way: drop one of them")
+    if importlib.util.find_spec("triton") is None:
+        _fail("--optimizer-step-fusion needs the triton package (it comes with torch's CUDA wheels): install it, or "
+              "drop the flag")
+    if not _has_gpu() and not _triton_interpret():
+        _fail("--optimizer-step-fusion runs a Triton kernel, which needs a CUDA GPU; this machine has none. On the CPU "
+              "set TRITON_INTERPRET=1 (Triton's interpreter: correct but slow, for tests), or drop the flag")
+
+
 def _triton_interpret() -> bool:
     """TRITON_INTERPRET as Triton itself reads it (1, true, on, yes, ...)."""
     from triton import knobs
@@ -247,6 +263,8 @@ def validate(c: Config, world_size: int) -> None:
     if c.gradient_accumulation_fusion and c.zero_2_memory_optimization:
         _fail("--gradient-accumulation-fusion accumulates into the DDP / ZeRO-1 gradient buffer; ZeRO-2 "
               "(Megatron-FSDP) shards its gradients itself: drop one of the two")
+    if c.optimizer_step_fusion:
+        _validate_optimizer_step_fusion(c)
     if c.checkpoint_activations and c.recompute_granularity is None:
         c.recompute_granularity = "full"
     if c.recompute_granularity not in (None, "full", "selective"):

@@ -49,6 +49,12 @@ def build_optimizer(cfg: Config, model_chunks) -> Tuple[object, str]:
         return opt, "apex FusedLAMB" if fused else "LAMB (torch foreach; apex not installed)"
     if cfg.cpu_offload:
         return opt, "Adam offloaded to the CPU (megatron-core HybridDeviceOptimizer)"
+    if cfg.optimizer_step_fusion:
+        from .fused_adam import apply_optimizer_step_fusion
+
+        if on_gpu:
+            use_fused_adam(opt)  # torch's own steps stay interchangeable: state kept as for its fused kernel
+        return opt, apply_optimizer_step_fusion(opt)
     if not using_torch:
         return opt, "fused Adam from Transformer Engine/apex"
     if on_gpu:

@@ -1,0 +1,173 @@
+"""`--optimizer-step-fusion`: the bf16 run's Adam/AdamW step in one Triton kernel per parameter tensor.
+
+megatron-core's mixed-precision optimizer (Float16OptimizerWithFloat16Params) steps in several passes over every
+parameter: an fp32 copy of each bf16 gradient (`main_grad.float()`), the gradient norm over those copies, clipping
+(a multiply of each copy, in place), torch's fused AdamW (reads the fp32 weight, gradient and both moments,
+writes weight and moments), then a copy of each fp32 main weight into its bf16 model weight. That is about
+54 bytes of memory traffic per parameter with bf16 gradients; for a 1.3B model some 70 GB a step, all of it
+memory-bound. Here the gradient norm reads the gradient buffer itself (megatron-core's own norm function, fp32
+accumulation), clipping becomes a factor the kernel applies as it loads the gradient, and one kernel per tensor
+reads gradient, fp32 weight and moments once and writes fp32 weight, moments and the bf16 model weight: about 32
+bytes per parameter, and no fp32 gradient copies in memory (5.4 GB for 1.3B parameters).
+
+The update is torch's Adam/AdamW formula (non-amsgrad, not maximize), in fp32 like torch's fused kernel, with the
+per-parameter state torch keeps (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints are interchangeable with runs
+without the switch. Bias corrections 1 - beta**step are computed in float64 on the device from the group's step
+(every parameter of a group steps together: megatron-core gives each a gradient every step, the buffer), so nothing
+waits on the host. The fp32 -> bf16 rounding of the model weight is done by hand to nearest even (Triton's
+interpreter truncates), which is what torch's `copy_` does. TRITON_INTERPRET=1 runs the kernel in Triton's
+interpreter on the CPU (tests); kernels are decorated on first use, as in models/triton_cross_entropy.py.
+"""
+from __future__ import annotations
+
+import contextlib
+from typing import Dict, List, Optional
+
+import torch
+
+try:  # the kernel's language; the wheel comes with torch's CUDA builds (validate() checks before a run)
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    tl = None
+
+BLOCK = 2048  # elements per program; a memory-bound elementwise kernel, 8 warps
+
+
+def _adam_kernel(main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, model_ptr, corr_ptr, coef_ptr, n,
+                 lr, beta1, beta2, eps, weight_decay,
+                 DECOUPLED: tl.constexpr, HAS_MODEL: tl.constexpr, MODEL_BF16: tl.constexpr, BLOCK: tl.constexpr):
+    """One block of one tensor: g = grad * coef; torch's Adam(W) update of main/exp_avg/exp_avg_sq in fp32; the
+    new weight rounded into the model's bf16/fp16 tensor when there is one. corr = [1 - beta1**t, 1 - beta2**t]."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    bc1 = tl.load(corr_ptr).to(tl.float32)
+    bc2 = tl.load(corr_ptr + 1).to(tl.float32)
+    g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(coef_ptr)
+    p = tl.load(main_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+    if DECOUPLED:  # AdamW
+        p = p - lr * weight_decay * p
+    else:  # Adam: L2 penalty in the gradient
+        g = g + weight_decay * p
+    m = beta1 * m + (1.0 - beta1) * g
+    v = beta2 * v + (1.0 - beta2) * g * g
+    denom = tl.sqrt(v) / tl.sqrt(bc2) + eps
+    p = p - (lr / bc1) * m / denom
+    tl.store(main_ptr + offs, p, mask=mask)
+    tl.store(exp_avg_ptr + offs, m, mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+    if HAS_MODEL:
+        if MODEL_BF16:  # round to nearest even by hand (the interpreter's cast truncates)
+            bits = p.to(tl.uint32, bitcast=True)
+            bits = bits + 0x7FFF + ((bits >> 16) & 1)
+            out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        else:
+            out = p.to(model_ptr.dtype.element_ty)
+        tl.store(model_ptr + offs, out, mask=mask)
+
+
+_KERNELS: Dict[bool, object] = {}
+
+
+def _kernel():
+    import triton
+    from triton import knobs
+
+    interpret = bool(knobs.runtime.interpret)
+    if interpret not in _KERNELS:
+        _KERNELS[interpret] = triton.jit(_adam_kernel)
+    return _KERNELS[interpret]
+
+
+def bias_corrections(step: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
+    """[1 - beta1**step, 1 - beta2**step] in float64 on the step's device (no host read of the step)."""
+    betas = torch.tensor([beta1, beta2], dtype=torch.float64, device=step.device)
+    return 1.0 - betas.pow(step.to(torch.float64))
+
+
+def adam_update_(main: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                 model: Optional[torch.Tensor], corrections: torch.Tensor, coef: torch.Tensor, *, lr: float,
+                 beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool) -> None:
+    """One Adam(W) step of one tensor in place: `main`, `exp_avg`, `exp_avg_sq` fp32; `grad` any float dtype, scaled
+    by the one-element fp32 `coef` (gradient clipping); `model`, if given, receives the new weight in its dtype.
+    All contiguous and of the same number of elements; `corrections` from bias_corrections()."""
+    n = main.numel()
+    for t in (main, grad, exp_avg, exp_avg_sq) + ((model,) if model is not None else ()):
+        if t.numel() != n or not t.is_contiguous():
+            raise ValueError(f"adam_update_: tensors must be contiguous with {n} elements, got {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+    if n == 0:
+        return
+    out = model if model is not None else main  # a placeholder pointer when there is no model tensor
+    ctx = torch.cuda.device(main.device) if main.is_cuda else contextlib.nullcontext()
+    with ctx:
+        _kernel()[(triton_cdiv(n, BLOCK),)](
+            main, grad, exp_avg, exp_avg_sq, out, corrections, coef, n, float(lr), float(beta1), float(beta2),
+            float(eps), float(weight_decay), DECOUPLED=decoupled, HAS_MODEL=model is not None,
+            MODEL_BF16=model is not None and model.dtype == torch.bfloat16, BLOCK=BLOCK, num_warps=8)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return (a + b - 1) // b
+
+
+def _state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+    """torch's Adam state of `p`, created as torch creates it for a fused group when missing (megatron-core's
+    init_state_fn makes the moments without `step`)."""
+    st = optimizer.state[p]
+    if "step" not in st:
+        st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+    elif st["step"].device != p.device:  # loaded into a group torch did not know as fused: left on the CPU
+        st["step"] = st["step"].to(p.device)
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key not in st:
+            st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+    return st
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Raise ValueError unless `optimizer` is a torch Adam/AdamW this kernel reproduces."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        raise ValueError(f"--optimizer-step-fusion runs Adam/AdamW; this run's optimizer is {type(optimizer).__name__}")
+    for g in optimizer.param_groups:
+        for key in ("amsgrad", "maximize", "differentiable"):
+            if g.get(key):
+                raise ValueError(f"--optimizer-step-fusion does not implement Adam's {key}=True")
+        if torch.is_tensor(g["lr"]):
+            raise ValueError("--optimizer-step-fusion needs a float learning rate, not a tensor")
+
+
+def step_adam(optimizer: torch.optim.Optimizer, models: Dict[int, torch.Tensor], coef: Optional[torch.Tensor]) -> None:
+    """One step of every parameter of torch Adam/AdamW `optimizer` whose `.grad` is set, by the kernel.
+    `models` maps id(main parameter) -> the model tensor that receives its new value; `coef` is the clipping
+    factor (a one-element tensor or None for 1)."""
+    decoupled_default = isinstance(optimizer, torch.optim.AdamW)  # torch >= 2.6 also says so in each group
+    for group in optimizer.param_groups:
+        params = [p for p in group["params"] if p.grad is not None]
+        if not params:
+            continue
+        states = [_state(optimizer, p) for p in params]
+        steps: List[torch.Tensor] = [st["step"] for st in states]
+        torch._foreach_add_(steps, 1)
+        beta1, beta2 = group["betas"]
+        corrections = bias_corrections(steps[0], beta1, beta2)
+        decoupled = bool(group.get("decoupled_weight_decay", decoupled_default))
+        if coef is None:
+            coef = torch.ones(1, dtype=torch.float32, device=params[0].device)
+        coef = coef.to(device=params[0].device, dtype=torch.float32).reshape(1)
+        for p, st in zip(params, states):
+            model = models.get(id(p))
+            adam_update_(p.data, p.grad, st["exp_avg"], st["exp_avg_sq"], None if model is None else model.data,
+                         corrections, coef, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                         weight_decay=group["weight_decay"], decoupled=decoupled)
+
+
+def apply_optimizer_step_fusion(optimizer) -> str:
+    """Make every megatron-core mixed-precision wrapper in `optimizer` step with the kernel (see the module's
+    docstring); returns a log line."""
+    from megatron_patch.compat.optimizer import fuse_optimizer_step
+
+    count, numel = fuse_optimizer_step(optimizer, step_adam, check_optimizer)
+    return (f"optimizer step fusion: Adam in one Triton kernel per tensor ({count} tensors, {numel / 1e6:.1f}M "
+            f"parameters), gradients read from the gradient buffer, clipping applied in the kernel")

@@ -1,0 +1,145 @@
+"""--optimizer-step-fusion (training/fused_adam.py, compat/optimizer.py:fuse_optimizer_step): the Adam step in one
+Triton kernel per tensor, reading the gradient buffer and applying clipping. The kernel against torch's Adam/AdamW
+(Triton's interpreter on the CPU; torch's fused CUDA AdamW on a GPU), the engine against the unfused engine
+(clipping active), checkpoints saved by one resumed by the other, and the flag's refusals."""
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+import torch
+
+from engine_utils import per_iteration, run_engine
+from megatron_patch.config import ConfigError, parse_args
+from megatron_patch.training.fused_adam import BLOCK, bias_corrections, step_adam
+
+BF16 = ["--bf16", "--clip-grad", "0.05", "--adam-eps", "1e-4"]  # grad norm ~1.5: every step clips; with an eps
+# near the clipped gradients (~1e-4 an element) Adam's update depends on their scale, so a lost clip shows
+# The same update as torch's up to fp32 rounding order, but now and then a bf16 weight then rounds the other way:
+# losses agree to ~2e-5 (measured), grad norms to the 4th digit.
+LOSS_REL = 1e-4
+
+
+@pytest.fixture(autouse=True)
+def interpret(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _params(device, shapes=((3,), (BLOCK + 5, 2), (7, 5))):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(*s, generator=g) * 0.1).to(device) for s in shapes]
+
+
+def _reference_and_fused(opt_cls, grad_dtype, device, steps=3, ref_impl=None):
+    """Run `steps` steps of torch's `opt_cls` on fp32 copies (gradient = buffer value x clip factor, as megatron-core
+    clips) and of step_adam on the same values; returns both optimizers and the bf16 model tensors."""
+    weights = _params(device)
+    ref = [w.clone().requires_grad_() for w in weights]
+    main = [w.clone() for w in weights]
+    model = [w.to(torch.bfloat16) for w in weights]
+    groups = lambda ps: [dict(params=ps[:2], weight_decay=0.1), dict(params=ps[2:], weight_decay=0.0)]  # noqa: E731
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    ref_opt = opt_cls(groups(ref), **(ref_impl or dict(foreach=False)), **kw)
+    fused_opt = opt_cls(groups(main), **kw)
+    g = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        coef = torch.tensor([0.5 + 0.2 * step], device=device)
+        for group_ref, group_fused in zip(ref_opt.param_groups, fused_opt.param_groups):
+            group_ref["lr"] = group_fused["lr"] = 1e-2 / (step + 1)  # the scheduler changes lr between steps
+        for r, m in zip(ref, main):
+            grad = torch.randn(r.shape, generator=g).to(device, grad_dtype)
+            r.grad = grad.float() * coef
+            m.grad_dtype = None
+            m.grad = grad
+        ref_opt.step()
+        step_adam(fused_opt, {id(m): t for m, t in zip(main, model)}, coef)
+    return ref_opt, fused_opt, ref, main, model
+
+
+@pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.Adam], ids=["adamw", "adam-l2"])
+@pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16-grads", "fp32-grads"])
+def test_kernel_matches_torch_adam(opt_cls, grad_dtype):
+    ref_opt, fused_opt, ref, main, model = _reference_and_fused(opt_cls, grad_dtype, "cpu")
+    for r, m, t in zip(ref, main, model):
+        torch.testing.assert_close(m, r.detach(), rtol=1e-5, atol=1e-7)
+        rs, ms = ref_opt.state[r], fused_opt.state[m]
+        torch.testing.assert_close(ms["exp_avg"], rs["exp_avg"], rtol=1e-5, atol=1e-6)  # gradients ~1
+        torch.testing.assert_close(ms["exp_avg_sq"], rs["exp_avg_sq"], rtol=1e-5, atol=1e-7)
+        assert float(ms["step"]) == float(rs["step"]) == 3.0
+        # the bf16 model weight is the fp32 main weight rounded to nearest even, as torch's copy_ rounds it
+        assert torch.equal(t, m.to(torch.bfloat16))
+
+
+def test_bias_corrections_in_float64():
+    c = bias_corrections(torch.tensor(3.0), 0.9, 0.999)
+    assert c.dtype == torch.float64
+    assert c.tolist() == pytest.approx([1 - 0.9 ** 3, 1 - 0.999 ** 3], rel=1e-12)
+
+
+@pytest.mark.parametrize("extra", [["--grad-reduce-in-bf16"], []], ids=["bf16-grads", "fp32-grads"])
+def test_engine_with_fusion_trains_like_the_unfused_engine(tmp_path, extra):
+    args = ["--train-iters", "5", "--eval-iters", "0", *BF16, *extra]
+    plain, _ = run_engine(tmp_path / "plain", 1, *args)
+    fused, proc = run_engine(tmp_path / "fused", 1, *args, "--optimizer-step-fusion")
+    assert "optimizer step fusion: Adam in one Triton kernel per tensor" in proc.stdout
+    assert per_iteration(fused, "loss") == pytest.approx(per_iteration(plain, "loss"), rel=LOSS_REL)
+    assert per_iteration(fused, "grad_norm") == pytest.approx(per_iteration(plain, "grad_norm"), rel=1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--model-family", "llama",
+                                    "--num-experts", "2", "--moe-router-topk", "2"]], ids=["tp2", "moe"])
+def test_engine_with_fusion_in_other_layouts(tmp_path, layout):
+    # TP2: the norm over both ranks' shards (duplicated norms counted once); MoE: dense and expert wrappers
+    args = ["--train-iters", "4", "--eval-iters", "0", *BF16, "--grad-reduce-in-bf16", *layout]
+    nproc = 2 if "--tensor-model-parallel-size" in layout else 1
+    plain, _ = run_engine(tmp_path / "plain", nproc, *args)
+    fused, _ = run_engine(tmp_path / "fused", nproc, *args, "--optimizer-step-fusion")
+    assert per_iteration(fused, "loss") == pytest.approx(per_iteration(plain, "loss"), rel=LOSS_REL)
+    assert per_iteration(fused, "grad_norm") == pytest.approx(per_iteration(plain, "grad_norm"), rel=1e-3)
+
+
+@pytest.mark.slow
+def test_checkpoints_are_interchangeable_with_the_unfused_optimizer(tmp_path):
+    args = ["--train-iters", "6", "--eval-iters", "0", *BF16, "--grad-reduce-in-bf16"]
+    straight, _ = run_engine(tmp_path / "a", 1, *args, "--save", str(tmp_path / "a" / "ck"), "--save-interval", "3")
+    ck = tmp_path / "b" / "ck"
+    shutil.copytree(tmp_path / "a" / "ck", ck)
+    shutil.rmtree(ck / "iter_0000006")
+    (ck / "latest_checkpointed_iteration.txt").write_text("3")
+    # saved unfused at iteration 3, resumed fused: the moments and step count carry over
+    resumed, proc = run_engine(tmp_path / "b", 1, *args, "--load", str(ck), "--optimizer-step-fusion")
+    assert "(iteration 3)" in proc.stdout
+    want = per_iteration(straight, "loss")[3:]
+    assert per_iteration(resumed, "loss") == pytest.approx(want, rel=LOSS_REL)
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--optimizer-step-fusion"], "add --bf16"),
+    (["--optimizer-step-fusion", "--bf16", "--zero-1-memory-optimization"], "--zero-1-memory-optimization steps"),
+    (["--optimizer-step-fusion", "--bf16", "--optimizers", "apex_lamb"], "--optimizers apex_lamb steps"),
+])
+def test_flag_rejections(argv, match):
+    with pytest.raises(ConfigError, match=re.escape(match)):
+        parse_args(["--mock-data"] + argv).validate(1)
+
+
+def test_refused_without_gpu_or_interpreter(monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(ConfigError, match="set TRITON_INTERPRET=1"):
+        parse_args(["--mock-data", "--bf16", "--optimizer-step-fusion"]).validate(1)
+
+
+@pytest.mark.gpu
+def test_kernel_on_cuda_matches_torch_fused_adamw(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ref_opt, fused_opt, ref, main, model = _reference_and_fused(torch.optim.AdamW, torch.bfloat16, "cuda",
+                                                                ref_impl=dict(fused=True))
+    for r, m, t in zip(ref, main, model):
+        torch.testing.assert_close(m, r.detach(), rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(fused_opt.state[m]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"], rtol=1e-5,
+                                   atol=1e-12)
+        assert torch.equal(t, m.to(torch.bfloat16))
