@@ -77,7 +77,8 @@ def test_bias_corrections_in_float64():
     assert c.tolist() == pytest.approx([1 - 0.9 ** 3, 1 - 0.999 ** 3], rel=1e-12)
 
 
-@pytest.mark.parametrize("extra", [["--grad-reduce-in-bf16"], []], ids=["bf16-grads", "fp32-grads"])
+@pytest.mark.parametrize("extra", [["--grad-reduce-in-bf16"], pytest.param([], marks=pytest.mark.slow)],  # CI time
+                         ids=["bf16-grads", "fp32-grads"])
 def test_engine_with_fusion_trains_like_the_unfused_engine(tmp_path, extra):
     args = ["--train-iters", "5", "--eval-iters", "0", *BF16, *extra]
     plain, _ = run_engine(tmp_path / "plain", 1, *args)
