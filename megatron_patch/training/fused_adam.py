@@ -8,7 +8,8 @@ writes weight and moments), then a copy of each fp32 main weight into its bf16 m
 memory-bound. Here the gradient norm reads the gradient buffer itself (megatron-core's own norm function, fp32
 accumulation), clipping becomes a factor the kernel applies as it loads the gradient, and one kernel per tensor
 reads gradient, fp32 weight and moments once and writes fp32 weight, moments and the bf16 model weight: about 32
-bytes per parameter, and no fp32 gradient copies in memory (5.4 GB for 1.3B parameters).
+bytes per parameter, and no fp32 gradient copies in memory (5.4 GB for 1.3B parameters). Measured on an H100
+(benchmarks/RESULTS.md): Llama 1.3B +0.7-0.9% tokens/s; GPT-2 124M nothing measurable (its step is 2.5% optimizer).
 
 The update is torch's Adam/AdamW formula (non-amsgrad, not maximize), in fp32 like torch's fused kernel, with the
 per-parameter state torch keeps (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints are interchangeable with runs
