@@ -125,13 +125,8 @@ def validate_loss_fusion(c: Config) -> None:
         _fail("--cross-entropy-fusion-impl te needs Transformer Engine, which is not installed: use linear (fused "
               "output layer and loss) or native")
     if impl == "triton":
-        if importlib.util.find_spec("triton") is None:
-            _fail("--cross-entropy-fusion-impl triton needs the triton package (it comes with torch's CUDA wheels), "
-                  "which is not installed: install it, or use linear or native")
-        if not _has_gpu() and not _triton_interpret():
-            _fail("--cross-entropy-fusion-impl triton runs Triton kernels, which need a CUDA GPU; this machine has "
-                  "none. On the CPU set TRITON_INTERPRET=1 in the environment (Triton's interpreter: correct but "
-                  "slow, for tests), or use --cross-entropy-fusion-impl linear")
+        _need_triton("--cross-entropy-fusion-impl triton", missing="use linear or native",
+                     no_gpu="use --cross-entropy-fusion-impl linear")
 
 
 def _validate_optimizer_step_fusion(c: Config) -> None:
@@ -142,12 +137,17 @@ def _validate_optimizer_step_fusion(c: Config) -> None:
                      ("--optimizers apex_lamb", c.optimizers == "apex_lamb")):
         if on:
             _fail(f"--optimizer-step-fusion runs Adam on unsharded GPU state; {flag} steps another way: drop one of them")
+    _need_triton("--optimizer-step-fusion", missing="drop the flag", no_gpu="drop the flag")
+
+
+def _need_triton(flag: str, missing: str, no_gpu: str) -> None:
+    """Fail unless Triton kernels can run: the package, and a GPU or Triton's interpreter."""
     if importlib.util.find_spec("triton") is None:
-        _fail("--optimizer-step-fusion needs the triton package (it comes with torch's CUDA wheels): install it, or "
-              "drop the flag")
+        _fail(f"{flag} needs the triton package (it comes with torch's CUDA wheels), which is not installed: install "
+              f"it, or {missing}")
     if not _has_gpu() and not _triton_interpret():
-        _fail("--optimizer-step-fusion runs a Triton kernel, which needs a CUDA GPU; this machine has none. On the CPU "
-              "set TRITON_INTERPRET=1 (Triton's interpreter: correct but slow, for tests), or drop the flag")
+        _fail(f"{flag} runs Triton kernels, which need a CUDA GPU; this machine has none. On the CPU set "
+              f"TRITON_INTERPRET=1 in the environment (Triton's interpreter: correct but slow, for tests), or {no_gpu}")
 
 
 def _triton_interpret() -> bool:
