@@ -168,3 +168,10 @@ def test_kernel_on_cuda_matches_torch_fused_adamw(monkeypatch):
         torch.testing.assert_close(fused_opt.state[m]["exp_avg_sq"], ref_opt.state[r]["exp_avg_sq"], rtol=1e-5,
                                    atol=1e-12)
         assert torch.equal(t, m.to(torch.bfloat16))
+    # after the first step (state, constants) a step makes the host wait for nothing
+    coef = torch.full((1,), 0.5, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step_adam(fused_opt, {id(m): t for m, t in zip(main, model)}, coef)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -81,10 +81,17 @@ def _kernel():
     return _KERNELS[interpret]
 
 
+# (device, beta1, beta2) -> tensor([beta1, beta2], float64) there. Made once: torch.tensor(..., device="cuda") copies
+# from pageable host memory and so waits for the GPU, which every step would then do.
+_BETAS: Dict[tuple, torch.Tensor] = {}
+
+
 def bias_corrections(step: torch.Tensor, beta1: float, beta2: float) -> torch.Tensor:
-    """[1 - beta1**step, 1 - beta2**step] in float64 on the step's device (no host read of the step)."""
-    betas = torch.tensor([beta1, beta2], dtype=torch.float64, device=step.device)
-    return 1.0 - betas.pow(step.to(torch.float64))
+    """[1 - beta1**step, 1 - beta2**step] in float64 on the step's device (no host read of the step, no copy)."""
+    key = (step.device, float(beta1), float(beta2))
+    if key not in _BETAS:
+        _BETAS[key] = torch.tensor([beta1, beta2], dtype=torch.float64, device=step.device)
+    return 1.0 - _BETAS[key].pow(step.to(torch.float64))
 
 
 def adam_update_(main: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
@@ -155,8 +162,8 @@ def step_adam(optimizer: torch.optim.Optimizer, models: Dict[int, torch.Tensor],
         corrections = bias_corrections(steps[0], beta1, beta2)
         decoupled = bool(group.get("decoupled_weight_decay", decoupled_default))
         if coef is None:
-            coef = torch.ones(1, dtype=torch.float32, device=params[0].device)
-        coef = coef.to(device=params[0].device, dtype=torch.float32).reshape(1)
+            coef = torch.ones(1, dtype=torch.float32, device=params[0].device)  # a fill kernel, no copy
+        coef = coef.to(device=params[0].device, dtype=torch.float32).reshape(1)  # already there on the GPU path
         for p, st in zip(params, states):
             model = models.get(id(p))
             adam_update_(p.data, p.grad, st["exp_avg"], st["exp_avg_sq"], None if model is None else model.data,
