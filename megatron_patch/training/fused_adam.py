@@ -110,13 +110,13 @@ def adam_update_(main: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     out = model if model is not None else main  # a placeholder pointer when there is no model tensor
     ctx = torch.cuda.device(main.device) if main.is_cuda else contextlib.nullcontext()
     with ctx:
-        _kernel()[(triton_cdiv(n, BLOCK),)](
+        _kernel()[(_cdiv(n, BLOCK),)](
             main, grad, exp_avg, exp_avg_sq, out, corrections, coef, n, float(lr), float(beta1), float(beta2),
             float(eps), float(weight_decay), DECOUPLED=decoupled, HAS_MODEL=model is not None,
             MODEL_BF16=model is not None and model.dtype == torch.bfloat16, BLOCK=BLOCK, num_warps=8)
 
 
-def triton_cdiv(a: int, b: int) -> int:
+def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
