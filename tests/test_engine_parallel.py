@@ -56,7 +56,9 @@ def references(tmp_path_factory):
 
 # Slow (CI time): tp2 alone (TP2 is in tp2_pp2_dp2_zero1, the MoE tp2_ep2 and the PreTrainer parity test),
 # pp2 (in pp2_dp2_zero2, pp2_vpp2, tp2_pp2_dp2_zero1), tp2_dp2_zero2 (TP2 + ZeRO-2 is in the PreTrainer parity test).
-SLOW = ("tp2", "tp2_sp", "pp2", "tp2_dp2_zero2")
+# slow for CI time (make test-all runs them): each property stays in the default lane through another layout
+# (DP: dp2_zero1; PP + ZeRO-2: test_pretrainer's TP2 x PP2 ZeRO-2 run against the engine)
+SLOW = ("tp2", "tp2_sp", "pp2", "tp2_dp2_zero2", "dp2", "pp2_dp2_zero2")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in LAYOUTS])

@@ -129,7 +129,8 @@ def test_compile_builds_one_graph_for_all_layers_and_matches_eager(tmp_path, fam
     assert train_losses(lines) == pytest.approx(train_losses(eager), rel=1e-5)
 
 
-@pytest.mark.parametrize("precision", [[], ["--fp16"]], ids=["fp32", "fp16"])  # fp16: a loss scale that moves
+@pytest.mark.parametrize("precision", [[], pytest.param(["--fp16"], marks=pytest.mark.slow)],  # slow: CI time
+                         ids=["fp32", "fp16"])  # fp16: a loss scale that moves
 def test_deferred_step_metrics_record_what_immediate_ones_do(tmp_path, precision):
     """On a GPU the loop reads a step's metrics only once the next step is queued (no host synchronisation
     between steps); iterations that log, evaluate or save are finished at once. The same run with deferred
