@@ -93,7 +93,8 @@ def _bert_flags(model, corpora, iters, *extra):
             ".01", "--log-interval", "1", "--eval-interval", "1000", "--seed", "5", *extra]
 
 
-@pytest.mark.parametrize("sharding", [("--zero-1-memory-optimization", "--data-iterator", "dynamic-shape"),
+@pytest.mark.parametrize("sharding", [pytest.param(("--zero-1-memory-optimization", "--data-iterator", "dynamic-shape"),
+                                                   marks=pytest.mark.slow),  # CI time
                                       pytest.param(("--zero-3-memory-optimization",), marks=pytest.mark.slow)])
 def test_bert_sample_resumes_exactly(corpora, tmp_path, sharding):
     """The how-to's BERT PreTrainer sample on 2 workers (ZeRO-1: optimizer shards per rank, with

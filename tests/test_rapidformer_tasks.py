@@ -73,6 +73,7 @@ def test_task_improves_its_metric(tmp_path, task):
     check_run(task, *run_task(tmp_path, task))
 
 
+@pytest.mark.slow  # CI time (make test-all runs it)
 def test_two_workers_train_like_one(tmp_path):
     """The same black-box run on 2 gloo workers and on 1: the evaluation before training must agree exactly
     (37 validation samples: the workers' gathered predictions are the whole set, in order, without the
