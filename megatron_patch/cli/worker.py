@@ -8,6 +8,7 @@ import sys
 from typing import List, Optional
 
 from megatron_patch.templates.globals import get_logger, set_args
+from megatron_patch.training.entry import destroy_process_groups
 
 from .arguments import parse_args
 from .rules import check
@@ -30,20 +31,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         run_task(args)
         return 0
     finally:
-        _destroy_process_groups()
-
-
-def _destroy_process_groups() -> None:
-    """Tear down what the run set up (megatron-core's groups, torch's default group) before the interpreter exits:
-    process groups left to the interpreter's shutdown were seen to abort a rank ("terminate called without an
-    active exception") after a finished 4-process run."""
-    import torch.distributed as dist
-
-    parallel = sys.modules.get("megatron_patch.parallel")  # imported only by runs that train megatron-core models
-    if parallel is not None:
-        parallel.destroy()
-    elif dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 if __name__ == "__main__":

@@ -96,7 +96,18 @@ def main(argv: Optional[List[str]] = None, model: str = "gpt") -> int:
             return report("checkpoint", e)
         raise
     finally:
-        parallel = sys.modules.get("megatron_patch.parallel")  # imported only once training started
-        if parallel is not None:
-            parallel.destroy()
+        destroy_process_groups()
     return 0
+
+
+def destroy_process_groups() -> None:
+    """Tear down the process groups this process set up (megatron-core's, torch's default) before the interpreter
+    exits, where leaving them was seen to abort a rank of a finished run ("terminate called without an active
+    exception"). Imports nothing: a process that never imported them has none."""
+    parallel = sys.modules.get("megatron_patch.parallel")  # imported only once megatron-core training started
+    if parallel is not None:
+        parallel.destroy()
+        return
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
