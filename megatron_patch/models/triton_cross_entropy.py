@@ -38,7 +38,7 @@ approximations (ex2.approx.f32 and div.full.f32 in the PTX, a few ulp), megatron
 
 TRITON_INTERPRET=1 runs the kernels in Triton's interpreter (numpy, on the CPU tensors), which is how the tests run
 without a GPU. triton.jit reads the variable when it decorates a function, so the kernels are decorated on first
-use (once per setting), not at import. Three limits of the interpreter (Triton 3.6, numpy 2.5) shape the kernels:
+use (once per setting, models/triton_jit.py), not at import. Three limits of the interpreter (Triton 3.6, numpy 2.5) shape the kernels:
 
 * Triton's own library functions written in Triton (tl.max, tl.sum, tl.zeros, ... in triton.language.standard)
   are decorated when triton is imported, and megatron-core imports it early: imported without the variable, they
@@ -62,6 +62,8 @@ import contextlib
 
 import torch
 import torch.distributed as dist
+
+from .triton_jit import jit
 
 try:  # the kernels' language; the wheel comes with torch's CUDA builds (validate() checks before a run)
     import triton.language as tl
@@ -127,19 +129,9 @@ def _backward_kernel(logits_ptr, labels_ptr, max_ptr, sum_ptr, grad_ptr, vocab_s
         tl.store(base + cols, out, mask=cols < N_COLS)
 
 
-_KERNELS = {}
-
-
 def _kernels():
-    """(forward, backward) decorated for the current TRITON_INTERPRET setting, read at the first call (see the
-    module's docstring)."""
-    import triton
-    from triton import knobs
-
-    interpret = bool(knobs.runtime.interpret)
-    if interpret not in _KERNELS:
-        _KERNELS[interpret] = (triton.jit(_forward_kernel), triton.jit(_backward_kernel))
-    return _KERNELS[interpret]
+    """(forward, backward) decorated for the current TRITON_INTERPRET setting (see the module's docstring)."""
+    return jit(_forward_kernel), jit(_backward_kernel)
 
 
 def _launch_config(local_vocab: int, block_size: int | None) -> dict:

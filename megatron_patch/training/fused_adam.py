@@ -17,7 +17,7 @@ without the switch. Bias corrections 1 - beta**step are computed in float64 on t
 (every parameter of a group steps together: megatron-core gives each a gradient every step, the buffer), so nothing
 waits on the host. The fp32 -> bf16 rounding of the model weight is done by hand to nearest even (Triton's
 interpreter truncates), which is what torch's `copy_` does. TRITON_INTERPRET=1 runs the kernel in Triton's
-interpreter on the CPU (tests); kernels are decorated on first use, as in models/triton_cross_entropy.py.
+interpreter on the CPU (tests); the kernel is decorated on first use (models/triton_jit.py).
 """
 from __future__ import annotations
 
@@ -25,6 +25,8 @@ import contextlib
 from typing import Dict, List, Optional
 
 import torch
+
+from megatron_patch.models.triton_jit import jit
 
 try:  # the kernel's language; the wheel comes with torch's CUDA builds (validate() checks before a run)
     import triton.language as tl
@@ -68,19 +70,6 @@ def _adam_kernel(main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, model_ptr, cor
         tl.store(model_ptr + offs, out, mask=mask)
 
 
-_KERNELS: Dict[bool, object] = {}
-
-
-def _kernel():
-    import triton
-    from triton import knobs
-
-    interpret = bool(knobs.runtime.interpret)
-    if interpret not in _KERNELS:
-        _KERNELS[interpret] = triton.jit(_adam_kernel)
-    return _KERNELS[interpret]
-
-
 # (device, beta1, beta2) -> tensor([beta1, beta2], float64) there. Made once: torch.tensor(..., device="cuda") copies
 # from pageable host memory and so waits for the GPU, which every step would then do.
 _BETAS: Dict[tuple, torch.Tensor] = {}
@@ -110,7 +99,7 @@ def adam_update_(main: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, 
     out = model if model is not None else main  # a placeholder pointer when there is no model tensor
     ctx = torch.cuda.device(main.device) if main.is_cuda else contextlib.nullcontext()
     with ctx:
-        _kernel()[(_cdiv(n, BLOCK),)](
+        jit(_adam_kernel)[(_cdiv(n, BLOCK),)](
             main, grad, exp_avg, exp_avg_sq, out, corrections, coef, n, float(lr), float(beta1), float(beta2),
             float(eps), float(weight_decay), DECOUPLED=decoupled, HAS_MODEL=model is not None,
             MODEL_BF16=model is not None and model.dtype == torch.bfloat16, BLOCK=BLOCK, num_warps=8)
