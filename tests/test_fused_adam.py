@@ -15,7 +15,7 @@ from megatron_patch.config import ConfigError, parse_args
 from megatron_patch.training.fused_adam import BLOCK, bias_corrections, step_adam
 
 BF16 = ["--bf16", "--clip-grad", "0.05", "--adam-eps", "1e-4"]  # grad norm ~1.5: every step clips; with an eps
-# near the clipped gradients (~1e-4 an element) Adam's update depends on their scale, so a lost clip shows
+# near the clipped gradients (~1e-4 an element) Adam's update depends on their scale, so a lost clip shows.
 # The same update as torch's up to fp32 rounding order, but now and then a bf16 weight then rounds the other way:
 # losses agree to ~2e-5 (measured), grad norms to the 4th digit.
 LOSS_REL = 1e-4
