@@ -169,6 +169,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layers", type=int, help="override the shape's layer count (quick trials)")
+    p.add_argument("--micro-batch", type=int, help="override the shape's micro batch size for every system; the "
+                   "accumulation steps change so that the tokens per optimizer step stay the same")
     p.add_argument("--best-args", help="flags of engine+best, one string (default: the shape's fastest measured, "
                                         + "; ".join(f"{k}: {v}" for k, v in BEST_ARGS.items()) + ")")
     p.add_argument("--engine-args", nargs=argparse.REMAINDER, default=[], help="added to every engine run")
@@ -180,6 +182,11 @@ def main() -> None:
         a.best_args = BEST_ARGS[a.shape]
     if a.layers:
         s["layers"] = a.layers
+    if a.micro_batch:
+        total = s["mbs"] * s["acc"]
+        if total % a.micro_batch:
+            p.error(f"--micro-batch {a.micro_batch} does not divide the shape's {total} sequences per step")
+        s["mbs"], s["acc"] = a.micro_batch, total // a.micro_batch
     tokens = s["mbs"] * s["acc"] * s["seq"]
     rows = []
     for name in a.systems:
@@ -197,7 +204,7 @@ def main() -> None:
     import torch
 
     print(f"\n{torch.cuda.get_device_name()} | {a.shape}: {s['layers']}L h{s['hidden']} ffn{s['ffn']} seq{s['seq']} "
-          f"vocab{s['vocab']} | {tokens} tokens/step")
+          f"vocab{s['vocab']} | micro batch {s['mbs']} x {s['acc']} | {tokens} tokens/step")
     print(f"{'system':<15} | {'tokens/s':>9} | {'TFLOP/s':>7} | {'MFU':>6} | {'vs best HF':>10} | {'peak GiB':>8} | "
           f"{'1st step s':>10} | {'recompiles':>10} | loss first -> last")
     ok = [r for r in rows if "step_s" in r]
@@ -217,7 +224,8 @@ def main() -> None:
 def _subprocess_hf(a, name: str) -> dict:
     out = tempfile.mktemp(suffix=".jsonl")
     cmd = [sys.executable, os.path.abspath(__file__), "--inner", "--shape", a.shape, "--systems", name,
-           "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", out] + (["--layers", str(a.layers)] if a.layers else [])
+           "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", out] + (["--layers", str(a.layers)] if a.layers else []) + (
+           ["--micro-batch", str(a.micro_batch)] if a.micro_batch else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
         return {"system": name, "error": proc.stderr[-1500:]}

@@ -26,15 +26,19 @@ def interpret(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
 
 
-def _params(device, shapes=((3,), (BLOCK + 5, 2), (7, 5))):
+UNALIGNED = ((3,), (BLOCK + 5, 2), (7, 5))  # sizes not multiples of 16: the kernel's plain masked path
+ALIGNED = ((48,), (BLOCK + 16, 2), (32, 5))  # multiples of 16 at 16-byte aligned addresses: the hinted path
+
+
+def _params(device, shapes):
     g = torch.Generator().manual_seed(0)
     return [(torch.randn(*s, generator=g) * 0.1).to(device) for s in shapes]
 
 
-def _reference_and_fused(opt_cls, grad_dtype, device, steps=3, ref_impl=None):
+def _reference_and_fused(opt_cls, grad_dtype, device, steps=3, ref_impl=None, shapes=UNALIGNED):
     """Run `steps` steps of torch's `opt_cls` on fp32 copies (gradient = buffer value x clip factor, as megatron-core
     clips) and of step_adam on the same values; returns both optimizers and the bf16 model tensors."""
-    weights = _params(device)
+    weights = _params(device, shapes)
     ref = [w.clone().requires_grad_() for w in weights]
     main = [w.clone() for w in weights]
     model = [w.to(torch.bfloat16) for w in weights]
@@ -59,8 +63,11 @@ def _reference_and_fused(opt_cls, grad_dtype, device, steps=3, ref_impl=None):
 
 @pytest.mark.parametrize("opt_cls", [torch.optim.AdamW, torch.optim.Adam], ids=["adamw", "adam-l2"])
 @pytest.mark.parametrize("grad_dtype", [torch.bfloat16, torch.float32], ids=["bf16-grads", "fp32-grads"])
-def test_kernel_matches_torch_adam(opt_cls, grad_dtype):
-    ref_opt, fused_opt, ref, main, model = _reference_and_fused(opt_cls, grad_dtype, "cpu")
+@pytest.mark.parametrize("shapes", [UNALIGNED, ALIGNED], ids=["unaligned", "aligned"])
+def test_kernel_matches_torch_adam(opt_cls, grad_dtype, shapes):
+    ref_opt, fused_opt, ref, main, model = _reference_and_fused(opt_cls, grad_dtype, "cpu", shapes=shapes)
+    table = fused_opt._fused_adam_tables[(0, (grad_dtype, torch.bfloat16))]
+    assert table.aligned == (shapes is ALIGNED) and table.blocks == sum(-(-m.numel() // BLOCK) for m in main[:2])
     for r, m, t in zip(ref, main, model):
         torch.testing.assert_close(m, r.detach(), rtol=1e-5, atol=1e-7)
         rs, ms = ref_opt.state[r], fused_opt.state[m]
@@ -83,7 +90,7 @@ def test_engine_with_fusion_trains_like_the_unfused_engine(tmp_path, extra):
     args = ["--train-iters", "5", "--eval-iters", "0", *BF16, *extra]
     plain, _ = run_engine(tmp_path / "plain", 1, *args)
     fused, proc = run_engine(tmp_path / "fused", 1, *args, "--optimizer-step-fusion")
-    assert "optimizer step fusion: Adam in one Triton kernel per tensor" in proc.stdout
+    assert "optimizer step fusion: Adam in one Triton kernel launch per param group" in proc.stdout
     assert per_iteration(fused, "loss") == pytest.approx(per_iteration(plain, "loss"), rel=LOSS_REL)
     assert per_iteration(fused, "grad_norm") == pytest.approx(per_iteration(plain, "grad_norm"), rel=1e-3)
 
@@ -137,8 +144,11 @@ def test_refused_without_gpu_or_interpreter(monkeypatch):
 @pytest.mark.parametrize("grad", ["bf16", "fp32"])
 def test_kernel_compiles_for_the_gpu(grad, monkeypatch, tmp_path):
     """The kernel as the GPU runs it (triton.jit, not the interpreter) compiles for an H100 (sm_90) down to PTX with
-    16-byte loads and stores (a memory-bound kernel: vector width is its speed)."""
+    16-byte loads and stores when the launcher found every pointer and size aligned (a memory-bound kernel: vector
+    width is its speed; its pointers come from a table, so only the ALIGNED hints tell the compiler), and
+    without them when it did not."""
     import triton
+    import triton.language as tl
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -146,16 +156,17 @@ def test_kernel_compiles_for_the_gpu(grad, monkeypatch, tmp_path):
 
     monkeypatch.delenv("TRITON_INTERPRET")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
-    signature = {"main_ptr": "*fp32", "grad_ptr": f"*{grad}", "exp_avg_ptr": "*fp32", "exp_avg_sq_ptr": "*fp32",
-                 "model_ptr": "*bf16", "corr_ptr": "*fp64", "coef_ptr": "*fp32", "n": "i32", "lr": "fp32",
-                 "beta1": "fp32", "beta2": "fp32", "eps": "fp32", "weight_decay": "fp32"}
-    constexprs = {"DECOUPLED": True, "HAS_MODEL": True, "MODEL_BF16": True, "BLOCK": BLOCK}
-    signature.update({k: "constexpr" for k in constexprs})
-    aligned = ["tt.divisibility", 16]  # what the launcher specializes torch's allocations to
-    src = ASTSource(triton.jit(fused_adam._adam_kernel), signature=signature, constexprs=constexprs,
-                    attrs={(i,): [aligned] for i in (0, 1, 2, 3, 4, 7)})  # n: a multiple of 16, as most are
-    ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
-    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx
+    ptx = {}
+    for aligned in (True, False):
+        signature = {"table_ptr": "*i64", "block_tensor_ptr": "*i32", "corr_ptr": "*fp64", "coef_ptr": "*fp32",
+                     "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32", "weight_decay": "fp32"}
+        constexprs = {"GRAD": getattr(tl, {"bf16": "bfloat16", "fp32": "float32"}[grad]), "MODEL": tl.bfloat16,
+                      "ALIGNED": aligned, "DECOUPLED": True, "BLOCK": BLOCK}
+        signature.update({k: "constexpr" for k in constexprs})
+        src = ASTSource(triton.jit(fused_adam._adam_kernel), signature=signature, constexprs=constexprs)
+        ptx[aligned] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
+    assert "ld.global.v4.b32" in ptx[True] and "st.global.v4.b32" in ptx[True]
+    assert "ld.global.v4.b32" not in ptx[False]
 
 
 @pytest.mark.gpu

@@ -164,9 +164,9 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
                    help="linear layers accumulate their weight gradients straight into the gradient buffer (one "
                         "GEMM per weight and micro batch, no separate add; Megatron-LM's default with apex)")
     g.add_argument("--optimizer-step-fusion", action="store_true",
-                   help="with --bf16: the Adam step in one Triton kernel per tensor that reads the gradient buffer, "
-                        "clips, updates the fp32 weights and moments and writes the bf16 weights (no fp32 gradient "
-                        "copies, one pass instead of four; GPU, or TRITON_INTERPRET=1 on the CPU)")
+                   help="with --bf16: the Adam step in one Triton kernel (one launch per param group) that reads the "
+                        "gradient buffer, clips, updates the fp32 weights and moments and writes the bf16 weights (no "
+                        "fp32 gradient copies, one pass instead of four; GPU, or TRITON_INTERPRET=1 on the CPU)")
     g.add_argument("--loss-scale", type=float, help="static loss scale for fp16 (default: dynamic)")
     g.add_argument("--initial-loss-scale", type=float)
     g.add_argument("--min-loss-scale", type=float, help=f"dynamic scaling never goes below this (default {_D.min_loss_scale:g})")

@@ -134,7 +134,7 @@ class Config:
     mixed_precision: bool = False
     grad_reduce_in_bf16: bool = False  # bf16 gradient buffer (accumulation and DP reduction) instead of fp32
     gradient_accumulation_fusion: bool = False  # weight gradients accumulated straight into the gradient buffer
-    optimizer_step_fusion: bool = False  # bf16 Adam step in one Triton kernel per tensor (training/fused_adam.py)
+    optimizer_step_fusion: bool = False  # bf16 Adam step, one Triton launch per param group (training/fused_adam.py)
     loss_scale: Optional[float] = None
     initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0

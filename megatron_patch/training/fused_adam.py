@@ -1,4 +1,4 @@
-"""`--optimizer-step-fusion`: the bf16 run's Adam/AdamW step in one Triton kernel per parameter tensor.
+"""`--optimizer-step-fusion`: the bf16 run's Adam/AdamW step in one Triton kernel launch per param group.
 
 megatron-core's mixed-precision optimizer (Float16OptimizerWithFloat16Params) steps in several passes over every
 parameter: an fp32 copy of each bf16 gradient (`main_grad.float()`), the gradient norm over those copies, clipping
@@ -6,10 +6,12 @@ parameter: an fp32 copy of each bf16 gradient (`main_grad.float()`), the gradien
 writes weight and moments), then a copy of each fp32 main weight into its bf16 model weight. That is about
 54 bytes of memory traffic per parameter with bf16 gradients; for a 1.3B model some 70 GB a step, all of it
 memory-bound. Here the gradient norm reads the gradient buffer itself (megatron-core's own norm function, fp32
-accumulation), clipping becomes a factor the kernel applies as it loads the gradient, and one kernel per tensor
-reads gradient, fp32 weight and moments once and writes fp32 weight, moments and the bf16 model weight: about 32
-bytes per parameter, and no fp32 gradient copies in memory (5.4 GB for 1.3B parameters). Measured on an H100
-(benchmarks/RESULTS.md): Llama 1.3B +0.7-0.9% tokens/s; GPT-2 124M nothing measurable (its step is 2.5% optimizer).
+accumulation), clipping becomes a factor the kernel applies as it loads the gradient, and the kernel reads
+gradient, fp32 weight and moments once and writes fp32 weight, moments and the bf16 model weight: about 32
+bytes per parameter, and no fp32 gradient copies in memory (5.4 GB for 1.3B parameters). One launch covers every
+tensor of a param group (a table of their addresses, built once and reused while they stay put): with one launch
+per tensor, a small model's step was bound by the host's ~150 launches, not by memory. Measured on an H100
+(benchmarks/RESULTS.md): Llama 1.3B +0.7-0.9% tokens/s with one launch per tensor.
 
 The update is torch's Adam/AdamW formula (non-amsgrad, not maximize), in fp32 like torch's fused kernel, with the
 per-parameter state torch keeps (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints are interchangeable with runs
@@ -22,7 +24,7 @@ interpreter on the CPU (tests); the kernel is decorated on first use (models/tri
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,12 +38,32 @@ except ImportError:  # pragma: no cover
 BLOCK = 2048  # elements per program; a memory-bound elementwise kernel, 8 warps
 
 
-def _adam_kernel(main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, model_ptr, corr_ptr, coef_ptr, n,
-                 lr, beta1, beta2, eps, weight_decay,
-                 DECOUPLED: tl.constexpr, HAS_MODEL: tl.constexpr, MODEL_BF16: tl.constexpr, BLOCK: tl.constexpr):
-    """One block of one tensor: g = grad * coef; torch's Adam(W) update of main/exp_avg/exp_avg_sq in fp32; the
-    new weight rounded into the model's bf16/fp16 tensor when there is one. corr = [1 - beta1**t, 1 - beta2**t]."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+def _adam_kernel(table_ptr, block_tensor_ptr, corr_ptr, coef_ptr, lr, beta1, beta2, eps, weight_decay,
+                 GRAD: tl.constexpr, MODEL: tl.constexpr, ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr,
+                 BLOCK: tl.constexpr):
+    """One block of one of many tensors (one launch for all of them): the program's tensor is
+    block_tensor[program_id], whose row of `table` holds its pointers, size and first block. g = grad * coef;
+    torch's Adam(W) update of main/exp_avg/exp_avg_sq in fp32; the new weight rounded into the model's bf16/fp16
+    tensor when there is one. corr = [1 - beta1**t, 1 - beta2**t]. ALIGNED: every pointer 16-byte aligned and
+    every size a multiple of 16 (the host checked), which lets the compiler use 16-byte loads and stores."""
+    pid = tl.program_id(0)
+    # a row: main, grad, exp_avg, exp_avg_sq, model pointers, numel, first block
+    row = table_ptr + tl.load(block_tensor_ptr + pid).to(tl.int64) * 7
+    main_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
+    grad_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD))
+    exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+    exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    model_ptr = tl.load(row + 4).to(tl.pointer_type(MODEL))
+    n = tl.load(row + 5)
+    offs = (pid - tl.load(row + 6)) * BLOCK + tl.arange(0, BLOCK)
+    if ALIGNED:
+        main_ptr = tl.multiple_of(main_ptr, 16)
+        grad_ptr = tl.multiple_of(grad_ptr, 16)
+        exp_avg_ptr = tl.multiple_of(exp_avg_ptr, 16)
+        exp_avg_sq_ptr = tl.multiple_of(exp_avg_sq_ptr, 16)
+        model_ptr = tl.multiple_of(model_ptr, 16)
+        n = tl.multiple_of(n, 16)
+        offs = tl.max_contiguous(tl.multiple_of(offs, BLOCK), BLOCK)
     mask = offs < n
     bc1 = tl.load(corr_ptr).to(tl.float32)
     bc2 = tl.load(corr_ptr + 1).to(tl.float32)
@@ -60,14 +82,12 @@ def _adam_kernel(main_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, model_ptr, cor
     tl.store(main_ptr + offs, p, mask=mask)
     tl.store(exp_avg_ptr + offs, m, mask=mask)
     tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-    if HAS_MODEL:
-        if MODEL_BF16:  # round to nearest even by hand (the interpreter's cast truncates)
-            bits = p.to(tl.uint32, bitcast=True)
-            bits = bits + 0x7FFF + ((bits >> 16) & 1)
-            out = (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-        else:
-            out = p.to(model_ptr.dtype.element_ty)
-        tl.store(model_ptr + offs, out, mask=mask)
+    if MODEL == tl.bfloat16:  # round to nearest even by hand (the interpreter's cast truncates)
+        bits = p.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        tl.store(model_ptr + offs, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    elif MODEL != tl.float32:  # fp16 (a float32 MODEL means: no model tensor)
+        tl.store(model_ptr + offs, p.to(MODEL), mask=mask)
 
 
 # (device, beta1, beta2) -> tensor([beta1, beta2], float64) there. Made once: torch.tensor(..., device="cuda") copies
@@ -83,26 +103,68 @@ def bias_corrections(step: torch.Tensor, beta1: float, beta2: float) -> torch.Te
     return 1.0 - _BETAS[key].pow(step.to(torch.float64))
 
 
-def adam_update_(main: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
-                 model: Optional[torch.Tensor], corrections: torch.Tensor, coef: torch.Tensor, *, lr: float,
-                 beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool) -> None:
-    """One Adam(W) step of one tensor in place: `main`, `exp_avg`, `exp_avg_sq` fp32; `grad` any float dtype, scaled
-    by the one-element fp32 `coef` (gradient clipping); `model`, if given, receives the new weight in its dtype.
-    All contiguous and of the same number of elements; `corrections` from bias_corrections()."""
+class LaunchTable:
+    """The device tables of one multi-tensor launch: a row of pointers, size and first block per tensor, and the
+    tensor of every block. Built from the tensors' addresses, and reused while they stay the same (so the
+    host-to-device copy, which waits for the GPU, happens once, not every step)."""
+
+    def __init__(self, tensors: List[Tuple[torch.Tensor, ...]]) -> None:
+        self.key = self.key_of(tensors)
+        rows, owners, first = [], [], 0
+        for i, (main, grad, exp_avg, exp_avg_sq, model) in enumerate(tensors):
+            n = main.numel()
+            blocks = _cdiv(n, BLOCK)
+            ptrs = [t.data_ptr() for t in (main, grad, exp_avg, exp_avg_sq, model if model is not None else main)]
+            rows.append(ptrs + [n, first])
+            owners.extend([i] * blocks)
+            first += blocks
+        self.blocks = first
+        self.aligned = all(all(x % 16 == 0 for x in r[:6]) for r in rows)  # pointers, and sizes (x elements)
+        device = tensors[0][0].device
+        self.table = torch.tensor(rows, dtype=torch.int64).to(device)
+        self.block_tensor = torch.tensor(owners, dtype=torch.int32).to(device)
+
+    @staticmethod
+    def key_of(tensors: List[Tuple[torch.Tensor, ...]]) -> tuple:
+        return tuple((m.data_ptr(), g.data_ptr(), a.data_ptr(), s.data_ptr(), None if t is None else t.data_ptr(),
+                      m.numel()) for m, g, a, s, t in tensors)
+
+
+def _check(main: torch.Tensor, others: Tuple[Optional[torch.Tensor], ...]) -> None:
     n = main.numel()
-    for t in (main, grad, exp_avg, exp_avg_sq) + ((model,) if model is not None else ()):
-        if t.numel() != n or not t.is_contiguous():
-            raise ValueError(f"adam_update_: tensors must be contiguous with {n} elements, got {tuple(t.shape)} "
+    for t in (main,) + others:
+        if t is not None and (t.numel() != n or not t.is_contiguous()):
+            raise ValueError(f"fused Adam: tensors must be contiguous with {n} elements, got {tuple(t.shape)} "
                              f"strides {t.stride()}")
-    if n == 0:
-        return
-    out = model if model is not None else main  # a placeholder pointer when there is no model tensor
+
+
+def adam_update_(tensors: List[Tuple[torch.Tensor, ...]], corrections: torch.Tensor, coef: torch.Tensor, *,
+                 lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
+                 table: Optional[LaunchTable] = None) -> LaunchTable:
+    """One Adam(W) step of many tensors in place, in one launch: `tensors` are (main, grad, exp_avg, exp_avg_sq,
+    model) with main and moments fp32, grad of one float dtype for all (scaled by the one-element fp32 `coef`:
+    gradient clipping), model None for all or of one dtype for all (it receives the new weight). All contiguous,
+    each tuple's of one size; `corrections` from bias_corrections(). Returns the launch table; pass it back as
+    `table` to skip rebuilding it when the tensors are the same."""
+    tensors = [t for t in tensors if t[0].numel()]
+    if not tensors:
+        return table
+    for main, *others in tensors:
+        _check(main, tuple(others))
+    if table is None or table.key != LaunchTable.key_of(tensors):
+        table = LaunchTable(tensors)
+    grad, model = tensors[0][1], tensors[0][4]
+    main = tensors[0][0]
     ctx = torch.cuda.device(main.device) if main.is_cuda else contextlib.nullcontext()
     with ctx:
-        jit(_adam_kernel)[(_cdiv(n, BLOCK),)](
-            main, grad, exp_avg, exp_avg_sq, out, corrections, coef, n, float(lr), float(beta1), float(beta2),
-            float(eps), float(weight_decay), DECOUPLED=decoupled, HAS_MODEL=model is not None,
-            MODEL_BF16=model is not None and model.dtype == torch.bfloat16, BLOCK=BLOCK, num_warps=8)
+        jit(_adam_kernel)[(table.blocks,)](
+            table.table, table.block_tensor, corrections, coef, float(lr), float(beta1), float(beta2), float(eps),
+            float(weight_decay), GRAD=_TL[grad.dtype], MODEL=_TL[torch.float32 if model is None else model.dtype],
+            ALIGNED=table.aligned, DECOUPLED=decoupled, BLOCK=BLOCK, num_warps=8)
+    return table
+
+
+_TL = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16} if tl else {}
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -136,11 +198,12 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 
 def step_adam(optimizer: torch.optim.Optimizer, models: Dict[int, torch.Tensor], coef: Optional[torch.Tensor]) -> None:
-    """One step of every parameter of torch Adam/AdamW `optimizer` whose `.grad` is set, by the kernel.
-    `models` maps id(main parameter) -> the model tensor that receives its new value; `coef` is the clipping
-    factor (a one-element tensor or None for 1)."""
+    """One step of every parameter of torch Adam/AdamW `optimizer` whose `.grad` is set, by the kernel: one launch
+    per param group (and per gradient/model dtype in it). `models` maps id(main parameter) -> the model tensor that
+    receives its new value; `coef` is the clipping factor (a one-element tensor or None for 1)."""
     decoupled_default = isinstance(optimizer, torch.optim.AdamW)  # torch >= 2.6 also says so in each group
-    for group in optimizer.param_groups:
+    tables = optimizer.__dict__.setdefault("_fused_adam_tables", {})  # (group, dtypes) -> LaunchTable
+    for index, group in enumerate(optimizer.param_groups):
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             continue
@@ -153,11 +216,16 @@ def step_adam(optimizer: torch.optim.Optimizer, models: Dict[int, torch.Tensor],
         if coef is None:
             coef = torch.ones(1, dtype=torch.float32, device=params[0].device)  # a fill kernel, no copy
         coef = coef.to(device=params[0].device, dtype=torch.float32).reshape(1)  # already there on the GPU path
+        launches: Dict[tuple, list] = {}
         for p, st in zip(params, states):
             model = models.get(id(p))
-            adam_update_(p.data, p.grad, st["exp_avg"], st["exp_avg_sq"], None if model is None else model.data,
-                         corrections, coef, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
-                         weight_decay=group["weight_decay"], decoupled=decoupled)
+            model = None if model is None else model.data
+            kind = (p.grad.dtype, None if model is None else model.dtype)
+            launches.setdefault(kind, []).append((p.data, p.grad, st["exp_avg"], st["exp_avg_sq"], model))
+        for kind, tensors in launches.items():
+            tables[(index, kind)] = adam_update_(
+                tensors, corrections, coef, lr=group["lr"], beta1=beta1, beta2=beta2, eps=group["eps"],
+                weight_decay=group["weight_decay"], decoupled=decoupled, table=tables.get((index, kind)))
 
 
 def apply_optimizer_step_fusion(optimizer) -> str:
@@ -166,5 +234,5 @@ def apply_optimizer_step_fusion(optimizer) -> str:
     from megatron_patch.compat.optimizer import fuse_optimizer_step
 
     count, numel = fuse_optimizer_step(optimizer, step_adam, check_optimizer)
-    return (f"optimizer step fusion: Adam in one Triton kernel per tensor ({count} tensors, {numel / 1e6:.1f}M "
+    return (f"optimizer step fusion: Adam in one Triton kernel launch per param group ({count} tensors, {numel / 1e6:.1f}M "
             f"parameters), gradients read from the gradient buffer, clipping applied in the kernel")
