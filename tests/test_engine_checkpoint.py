@@ -225,16 +225,20 @@ except BaseException as e:  # DCP's CheckpointException is a BaseException
     assert not (tmp_path / "pwned").exists()
 
 
-def test_reshard_tp2_to_tp1_and_tp2pp2(tmp_path):
+@pytest.mark.parametrize("name,nproc,layout", [
+    pytest.param("tp1", 1, [], id="tp1"),
+    # slow for CI time (make test-all): the TP1 target keeps resharding in the default lane
+    pytest.param("tp2pp2", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+                 marks=pytest.mark.slow, id="tp2pp2")])
+def test_reshard_tp2_checkpoint(tmp_path, name, nproc, layout):
+    """A TP2 checkpoint loaded at another layout gives the validation loss it gives at TP2."""
     run_engine(tmp_path / "tp2", 2, "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "ck"))
     got = {}
-    for name, nproc, layout in [("same", 2, ["--tensor-model-parallel-size", "2"]), ("tp1", 1, []),
-                                ("tp2pp2", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"])]:
-        lines, proc = run_engine(tmp_path / name, nproc, *layout, "--load", str(tmp_path / "ck"), "--skip-train")
-        assert (name == "same") != ("weights resharded" in proc.stdout), proc.stdout[-2000:]
-        got[name] = valid_losses(lines)[-1]
-    assert got["tp1"] == pytest.approx(got["same"], rel=1e-5)
-    assert got["tp2pp2"] == pytest.approx(got["same"], rel=1e-5)
+    for leg, n, flags in [("same", 2, ["--tensor-model-parallel-size", "2"]), (name, nproc, layout)]:
+        lines, proc = run_engine(tmp_path / leg, n, *flags, "--load", str(tmp_path / "ck"), "--skip-train")
+        assert (leg == "same") != ("weights resharded" in proc.stdout), proc.stdout[-2000:]
+        got[leg] = valid_losses(lines)[-1]
+    assert got[name] == pytest.approx(got["same"], rel=1e-5)
 
 
 def test_evaluations_walk_through_the_validation_set(tmp_path):
