@@ -78,6 +78,27 @@ def test_kernel_matches_torch_adam(opt_cls, grad_dtype, shapes):
         assert torch.equal(t, m.to(torch.bfloat16))
 
 
+def test_launch_table_is_reused_and_follows_tensors_that_move():
+    """The launch table (the tensors' addresses) is built once and reused; when a state tensor is replaced (a
+    checkpoint load does that), the next step writes the new tensor, not the old memory."""
+    ref_opt, fused_opt, ref, main, model = _reference_and_fused(torch.optim.AdamW, torch.bfloat16, "cpu", steps=2)
+    tables = dict(fused_opt._fused_adam_tables)
+    models = {id(m): t for m, t in zip(main, model)}
+    for r, m in zip(ref, main):
+        fused_opt.state[m]["exp_avg"] = fused_opt.state[m]["exp_avg"].clone()  # same values, new memory
+        r.grad = torch.full_like(r, 0.375)  # exact in bf16
+        m.grad = torch.full_like(m, 0.375, dtype=torch.bfloat16)
+    ref_opt.step()
+    step_adam(fused_opt, models, None)
+    assert all(fused_opt._fused_adam_tables[k] is not t for k, t in tables.items())  # rebuilt
+    for r, m in zip(ref, main):
+        torch.testing.assert_close(fused_opt.state[m]["exp_avg"], ref_opt.state[r]["exp_avg"], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(m, r.detach(), rtol=1e-5, atol=1e-7)
+    again = dict(fused_opt._fused_adam_tables)
+    step_adam(fused_opt, models, None)
+    assert all(fused_opt._fused_adam_tables[k] is t for k, t in again.items())  # nothing moved: reused
+
+
 def test_bias_corrections_in_float64():
     c = bias_corrections(torch.tensor(3.0), 0.9, 0.999)
     assert c.dtype == torch.float64
