@@ -91,7 +91,7 @@ def test_moe_bf16_tracks_fp32(tmp_path):
 
 
 FAST = ["--compile", "--compile-mode", "reduce-overhead", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl",
-        "triton", "--gradient-accumulation-fusion"]
+        "triton", "--gradient-accumulation-fusion", "--optimizer-step-fusion"]
 
 
 @pytest.mark.parametrize("family", ["gpt", "llama"])
