@@ -35,8 +35,10 @@ from conversion_utils import (  # noqa: E402
 )
 from engine_utils import run_engine  # noqa: E402
 
-# gpt2 and mistral: slow here; GPT-2 is in the fast --load-hf and round-trip tests, mistral is the llama table in bf16
-FAST = {("llama", "tp2pp1")}  # qwen2 (QKV bias) is in the fast table tests; all 16 run in make test-all
+# All 16 run in make test-all (CI time). In the default lane instead: the tensor-exact round trip of Qwen2-MoE at
+# EP2 (test_conversion_moe), --load-hf of GPT-2 and Llama at TP2 x PP2 against HF's loss and the exported model's
+# validation loss against HF's (test_conversion_training), the tables' every-tensor checks (below)
+FAST = set()
 MATRIX = [pytest.param(f, lay, id=f"{f}-{lay}", marks=() if (f, lay) in FAST else pytest.mark.slow)
           for f in FAMILIES for lay in LAYOUTS]
 TIED = {f for f in FAMILIES if f in ("gpt2", "qwen2")}
@@ -292,7 +294,7 @@ def test_bad_hugging_face_input_is_refused_in_words(case, config, tensors, phras
 
 
 def test_save_dir_not_empty_is_refused(hf_dir, converted, tmp_path):
-    for direction, load in (("hf2mcore", hf_dir("llama")), ("mcore2hf", converted.get("llama", "tp2pp1"))):
+    for direction, load in (("hf2mcore", hf_dir("llama")), ("mcore2hf", converted.get("llama", "tp1pp1"))):
         save = tmp_path / direction
         save.mkdir()
         (save / "keep.txt").write_text("mine")
