@@ -33,6 +33,8 @@ LAYOUTS = {  # name -> (processes, flags, settings)
     "tp2_dp2_zero2": (4, ["--tensor-model-parallel-size", "2", "--zero-2-memory-optimization"], "default"),
     # PP with ZeRO-2 exercises megatron_patch.compat.megatron_fsdp's fixes (mesh, tied embedding grads).
     "pp2_dp2_zero2": (4, ["--pipeline-model-parallel-size", "2", "--zero-2-memory-optimization"], "default"),
+    # TP and PP (tied embedding) with several micro batches, where a gradient scale error moves the weights.
+    "tp2_pp2": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], "scale_sensitive"),
     # TP, PP (tied embedding), DP and 2 micro batches at once, where a gradient scale error moves the weights.
     "tp2_pp2_dp2_zero1": (8, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
                               "--zero-1-memory-optimization"], "scale_sensitive"),
@@ -54,11 +56,12 @@ def references(tmp_path_factory):
     return get
 
 
-# Slow (CI time): tp2 alone (TP2 is in tp2_pp2_dp2_zero1, the MoE tp2_ep2 and the PreTrainer parity test),
-# pp2 (in pp2_dp2_zero2, pp2_vpp2, tp2_pp2_dp2_zero1), tp2_dp2_zero2 (TP2 + ZeRO-2 is in the PreTrainer parity test).
+# Slow (CI time): tp2 alone (TP2 is in tp2_pp2, tp2_pp2_dp2_zero1, the MoE tp2_ep2 and the PreTrainer parity test),
+# pp2 (in pp2_dp2_zero2, pp2_vpp2, tp2_pp2), tp2_dp2_zero2 (TP2 + ZeRO-2 is in the PreTrainer parity test).
 # slow for CI time (make test-all runs them): each property stays in the default lane through another layout
 # (DP: dp2_zero1; PP + ZeRO-2: test_pretrainer's TP2 x PP2 ZeRO-2 run against the engine)
-SLOW = ("tp2", "tp2_sp", "pp2", "tp2_dp2_zero2", "dp2", "pp2_dp2_zero2")
+# tp2_pp2_dp2_zero1 (8 processes, about a minute): TP x PP stays in tp2_pp2, DP x ZeRO-1 in dp2_zero1.
+SLOW = ("tp2", "tp2_sp", "pp2", "tp2_dp2_zero2", "dp2", "pp2_dp2_zero2", "tp2_pp2_dp2_zero1")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in LAYOUTS])
