@@ -11,7 +11,7 @@ gradient, fp32 weight and moments once and writes fp32 weight, moments and the b
 bytes per parameter, and no fp32 gradient copies in memory (5.4 GB for 1.3B parameters). One launch covers every
 tensor of a param group (a table of their addresses, built once and reused while they stay put): with one launch
 per tensor, a small model's step was bound by the host's ~150 launches, not by memory. Measured on an H100
-(benchmarks/RESULTS.md): Llama 1.3B +0.7-0.9% tokens/s with one launch per tensor.
+(benchmarks/RESULTS.md): Llama 1.3B +1.4% tokens/s, GPT-2 124M +1.0% (one launch per tensor: +0.7-0.9%, -0.2%).
 
 The update is torch's Adam/AdamW formula (non-amsgrad, not maximize), in fp32 like torch's fused kernel, with the
 per-parameter state torch keeps (`step`, `exp_avg`, `exp_avg_sq`), so checkpoints are interchangeable with runs
@@ -110,15 +110,11 @@ class LaunchTable:
 
     def __init__(self, tensors: List[Tuple[torch.Tensor, ...]]) -> None:
         self.key = self.key_of(tensors)
-        rows, owners, first = [], [], 0
-        for i, (main, grad, exp_avg, exp_avg_sq, model) in enumerate(tensors):
-            n = main.numel()
-            blocks = _cdiv(n, BLOCK)
-            ptrs = [t.data_ptr() for t in (main, grad, exp_avg, exp_avg_sq, model if model is not None else main)]
-            rows.append(ptrs + [n, first])
-            owners.extend([i] * blocks)
-            first += blocks
-        self.blocks = first
+        rows, owners = [], []  # the table's rows are the key's addresses and sizes, plus each tensor's first block
+        for i, (main, grad, exp_avg, exp_avg_sq, model, n) in enumerate(self.key):
+            rows.append([main, grad, exp_avg, exp_avg_sq, main if model is None else model, n, len(owners)])
+            owners.extend([i] * _cdiv(n, BLOCK))
+        self.blocks = len(owners)
         self.aligned = all(all(x % 16 == 0 for x in r[:6]) for r in rows)  # pointers, and sizes (x elements)
         device = tensors[0][0].device
         self.table = torch.tensor(rows, dtype=torch.int64).to(device)
@@ -234,5 +230,5 @@ def apply_optimizer_step_fusion(optimizer) -> str:
     from megatron_patch.compat.optimizer import fuse_optimizer_step
 
     count, numel = fuse_optimizer_step(optimizer, step_adam, check_optimizer)
-    return (f"optimizer step fusion: Adam in one Triton kernel launch per param group ({count} tensors, {numel / 1e6:.1f}M "
-            f"parameters), gradients read from the gradient buffer, clipping applied in the kernel")
+    return (f"optimizer step fusion: Adam in one Triton kernel launch per param group ({count} tensors, "
+            f"{numel / 1e6:.1f}M parameters), gradients read from the gradient buffer, clipping applied in the kernel")
