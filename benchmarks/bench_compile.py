@@ -27,7 +27,7 @@ from bench_pretrain import ROOT, run_measured  # noqa: E402
 
 # family -> (size preset, layers or None for the preset's, micro batch, sequence length)
 CONFIGS = {
-    "gpt": ("1.3b", None, 4, 2048),
+    "gpt": ("2.7b", None, 2, 2048),
     "llama": ("1.3b", None, 4, 2048),
     "qwen2": ("1.5b", None, 4, 2048),
     "mistral": ("7b", 4, 2, 2048),  # 7.2B parameters do not train on one GPU; its layers do
