@@ -8,10 +8,11 @@ TFLOP/s counts 6 x active parameters + 12*L*h*s per token (router and permutatio
   engine-dense  pretrain_megatron_gpt.py, llama family, ffn 3584 (bf16, mock data, SDPA)
   engine-moe    the same with --num-experts 8 --moe-router-topk 2 --moe-ffn-hidden-size 1792
                 (megatron-core MoELayer: SequentialMLP experts, no grouped GEMM without Transformer Engine)
+  engine-moe-grouped  the same with --moe-grouped-gemm (the experts as two torch._grouped_mm calls)
   hf-moe        transformers MixtralForCausalLM of the same shape (SDPA, fp32 weights + autocast bf16,
                 fused AdamW), the anchor
 
-    python benchmarks/bench_moe.py [--systems engine-dense engine-moe hf-moe] [--steps 8] [--warmup 3]
+    python benchmarks/bench_moe.py [--systems engine-dense engine-moe engine-moe-grouped hf-moe] [--steps 8] [--warmup 3]
 Prints one table last (tokens/s, MFU on active parameters, peak memory, ratios).
 """
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import time
 import types
@@ -31,7 +31,7 @@ EXPERTS, TOPK, MOE_FFN = 8, 2, 1792
 
 
 def shape(a, moe: bool):
-    return dict(layers=a.layers, hidden=1024, ffn=MOE_FFN if moe else TOPK * MOE_FFN, heads=16, groups=8, seq=2048,
+    return dict(family="llama", layers=a.layers, hidden=1024, ffn=MOE_FFN if moe else TOPK * MOE_FFN, heads=16, groups=8, seq=2048,
                 vocab=32000, mbs=4, acc=8)
 
 
@@ -40,18 +40,18 @@ def inactive_params(s) -> int:
     return s["layers"] * (EXPERTS - TOPK) * 3 * s["hidden"] * MOE_FFN
 
 
-def engine(a, moe: bool):
+def engine(a, name: str):
+    moe = name.startswith("engine-moe")
     s = shape(a, moe)
     extra = ["--num-query-groups", str(s["groups"])]
     if moe:
         extra += ["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK), "--moe-ffn-hidden-size", str(MOE_FFN),
                   "--moe-aux-loss-coeff", "0.01", "--moe-token-dispatcher-type", "alltoall"]
-    r = run_engine(types.SimpleNamespace(warmup=a.warmup, steps=a.steps, engine_args=extra + a.engine_args), s, False)
-    r["system"] = "engine-moe" if moe else "engine-dense"
+    if name == "engine-moe-grouped":
+        extra.append("--moe-grouped-gemm")
+    r = run_engine(types.SimpleNamespace(warmup=a.warmup, steps=a.steps), s, name, extra + a.engine_args)
     if "params" in r:
         r["active"] = r["params"] - (inactive_params(s) if moe else 0)
-        mem = [m for line in r["log"] for m in re.findall(r"mem ([0-9.]+) GiB", line)]
-        r["peak_gib"] = float(mem[-1]) if mem else None
     return r
 
 
@@ -100,7 +100,7 @@ def hf_moe(a):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--systems", nargs="+", default=["engine-dense", "engine-moe", "hf-moe"])
+    p.add_argument("--systems", nargs="+", default=["engine-dense", "engine-moe", "engine-moe-grouped", "hf-moe"])
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--layers", type=int, default=12)
@@ -109,7 +109,7 @@ def main() -> None:
     a = p.parse_args()
     rows = []
     for name in a.systems:
-        r = hf_moe(a) if name == "hf-moe" else engine(a, moe=name == "engine-moe")
+        r = hf_moe(a) if name == "hf-moe" else engine(a, name)
         rows.append(r)
         with open(a.out, "a") as f:
             f.write(json.dumps(r) + "\n")
@@ -120,18 +120,18 @@ def main() -> None:
     tokens = s["mbs"] * s["acc"] * s["seq"]
     print(f"\n{torch.cuda.get_device_name()} | {s['layers']}L h{s['hidden']} seq{s['seq']} vocab{s['vocab']} | "
           f"MoE {EXPERTS} experts x ffn {MOE_FFN}, top-{TOPK} vs dense ffn {TOPK * MOE_FFN} | {tokens} tokens/step")
-    print(f"{'system':<13} | {'params':>7} | {'active':>7} | {'tokens/s':>9} | {'MFU':>6} | {'peak GiB':>8} | "
+    print(f"{'system':<18} | {'params':>7} | {'active':>7} | {'tokens/s':>9} | {'MFU':>6} | {'peak GiB':>8} | "
           f"{'vs engine-dense':>15} | {'vs hf-moe':>9} | loss first -> last")
     by = {r["system"]: r for r in rows if "step_s" in r}
     for r in rows:
         if "step_s" not in r:
-            print(f"{r['system']:<13} | FAILED: {r.get('error', '')[-300:]}")
+            print(f"{r['system']:<18} | FAILED: {r.get('error', '')[-300:]}")
             continue
         tps = tokens / r["step_s"]
         mfu = tps * (6 * r["active"] + 12 * s["layers"] * s["hidden"] * s["seq"]) / 1e12 / PEAK
         ratio = lambda k: f"{by[k]['step_s'] / r['step_s']:.2f}x" if k in by else "n/a"  # noqa: E731
         peak = f"{r['peak_gib']:.1f}" if r.get("peak_gib") else "n/a"
-        print(f"{r['system']:<13} | {r['params'] / 1e6:6.0f}M | {r['active'] / 1e6:6.0f}M | {tps:9.0f} | "
+        print(f"{r['system']:<18} | {r['params'] / 1e6:6.0f}M | {r['active'] / 1e6:6.0f}M | {tps:9.0f} | "
               f"{100 * mfu:5.1f}% | {peak:>8} | {ratio('engine-dense'):>15} | {ratio('hf-moe'):>9} | "
               f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}")
 

@@ -86,7 +86,7 @@ def run_measured(name: str, cmd: list, warmup: int, extra: list) -> dict:
             "peak_gib": max(x.get("max_memory_bytes", 0) for x in lines) / 2**30,
             "graphs": graphs[-1], "graphs_after_step2": graphs[-1] - graphs[min(1, len(graphs) - 1)], "flags": extra,
             "log": [ln for ln in proc.stdout.splitlines()
-                    if ln.startswith(("model", "iteration", "torch.compile", "gradient accumulation"))]}
+                    if ln.startswith(("model", "iteration", "torch.compile", "gradient accumulation", "MoE grouped"))]}
 
 
 def _hf_model(s, liger: bool):

@@ -81,13 +81,21 @@ def test_resume_with_dropout(tmp_path, extra, rel):
 
 
 def test_moe_bf16_tracks_fp32(tmp_path):
-    """MoE on the GPU (router counts reduced over NCCL, experts as SequentialMLP): bf16 follows fp32."""
+    """MoE on the GPU (router counts reduced over NCCL, experts as SequentialMLP): bf16 follows fp32, and the
+    grouped-GEMM experts follow SequentialMLP."""
     moe = [*GPU, "--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear", "--moe-aux-loss-coeff", "0.01"]
     ref, _ = run_engine(tmp_path / "fp32", 1, *moe)
     lines, _ = run_engine(tmp_path / "bf16", 1, *moe, "--bf16")
     close(train_losses(lines), train_losses(ref), rel=2e-2)
     assert train_losses(lines)[-1] < train_losses(lines)[0] - 0.3
     assert all(sum(layer) == 8 * 128 * 2 for x in lines if "moe_tokens_per_expert" in x for layer in x["moe_tokens_per_expert"])
+    # --moe-grouped-gemm: the experts as torch._grouped_mm (one CUTLASS kernel on Hopper in bf16) against
+    # SequentialMLP's per-expert cuBLAS GEMMs, both bf16: the same training within bf16 rounding.
+    grouped, proc = run_engine(tmp_path / "grouped", 1, *moe, "--bf16", "--moe-grouped-gemm")
+    assert "MoE grouped GEMM" in proc.stdout
+    close(train_losses(grouped), train_losses(lines), rel=1e-2)
+    assert [x["moe_tokens_per_expert"] for x in grouped if "moe_tokens_per_expert" in x][0] == \
+        [x["moe_tokens_per_expert"] for x in lines if "moe_tokens_per_expert" in x][0]
 
 
 FAST = ["--compile", "--compile-mode", "reduce-overhead", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl",

@@ -28,6 +28,9 @@ LAYOUTS = {  # name -> (processes, flags)
                                "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
                                "--zero-1-memory-optimization"]),
     "pp2_ep2": (4, ["--pipeline-model-parallel-size", "2", "--expert-model-parallel-size", "2"]),
+    # --moe-grouped-gemm: the experts as two torch._grouped_mm calls instead of megatron-core's SequentialMLP
+    "grouped": (1, ["--moe-grouped-gemm"]),
+    "ep2_grouped": (2, ["--expert-model-parallel-size", "2", "--moe-grouped-gemm"]),
 }
 
 
@@ -42,14 +45,16 @@ def reference(tmp_path_factory):
     return lines, _model(full_weights(str(d / "ckpt" / "iter_0000005"))), d / "ckpt"
 
 
-FAST = ("ep2",)  # the rest run in `make test-all` (CI time)
+FAST = ("ep2", "grouped")  # the rest run in `make test-all` (CI time)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])
 def test_layout_matches_single_process(name, reference, tmp_path):
     nproc, args = LAYOUTS[name]
     ref_lines, ref_weights, _ = reference
-    lines, _ = run_engine(tmp_path, nproc, *MOE, *args, "--save", str(tmp_path / "ckpt"))
+    lines, proc = run_engine(tmp_path, nproc, *MOE, *args, "--save", str(tmp_path / "ckpt"))
+    if "--moe-grouped-gemm" in args:
+        assert "MoE grouped GEMM: the experts of 2 MoE layers" in proc.stdout
     assert train_losses(lines) == pytest.approx(train_losses(ref_lines), rel=1e-5)
     assert train_losses(lines)[-1] < train_losses(lines)[0]
     for key in ("grad_norm", "moe_load_balancing_loss", "moe_z_loss"):
@@ -88,12 +93,14 @@ def _assert_same_continuation(straight, resumed, start, rel=1e-6):
     assert _after(resumed, start, "moe_tokens_per_expert") == _after(straight, start, "moe_tokens_per_expert")
 
 
-def test_resume_is_exact(reference, tmp_path):
-    """EP1, stopped after iteration 2: the last 3 iterations (losses, aux losses, loads) as if never stopped."""
+@pytest.mark.parametrize("extra", [[], ["--moe-grouped-gemm"]], ids=["sequential", "grouped"])
+def test_resume_is_exact(reference, tmp_path, extra):
+    """EP1, stopped after iteration 2: the last 3 iterations (losses, aux losses, loads) as if never stopped;
+    also when the resumed run computes the experts with grouped GEMMs (same parameters, same checkpoint)."""
     lines, _, ckpt = reference
-    resumed, proc = run_engine(tmp_path, 1, *MOE, "--load", str(_resume(ckpt, 2, tmp_path / "ck")))
+    resumed, proc = run_engine(tmp_path, 1, *MOE, *extra, "--load", str(_resume(ckpt, 2, tmp_path / "ck")))
     assert "loaded checkpoint" in proc.stdout
-    _assert_same_continuation(lines, resumed, 2)
+    _assert_same_continuation(lines, resumed, 2, rel=1e-5 if extra else 1e-6)
 
 
 def test_checkpoint_reshards_experts(reference, tmp_path):
@@ -134,6 +141,11 @@ BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attent
     (["--num-experts", "4", "--expert-model-parallel-size", "2", "--zero-2-memory-optimization", "--disable-bias-linear"], 2,
      "use --zero-1-memory-optimization"),
     (["--expert-model-parallel-size", "2"], 2, "need --num-experts"),
+    (["--moe-grouped-gemm"], 1, "--moe-grouped-gemm groups the GEMMs of an MoE layer's experts: it needs --num-experts"),
+    (["--num-experts", "4", "--moe-grouped-gemm", "--tensor-model-parallel-size", "2", "--sequence-parallel",
+      "--disable-bias-linear"], 2, "pass --expert-tensor-parallel-size 1"),
+    (["--num-experts", "4", "--moe-grouped-gemm", "--zero-2-memory-optimization", "--disable-bias-linear"], 2,
+     "--moe-grouped-gemm reads the experts' weights directly"),
 ])
 def test_moe_rejections(extra, world, match):
     with pytest.raises(ConfigError, match=re.escape(match)):

@@ -8,6 +8,8 @@ without a GPU only; a model without experts never reaches the patched code.
 """
 from __future__ import annotations
 
+from typing import Callable, Iterable
+
 import torch
 
 from .registry import original, register, replace
@@ -89,3 +91,26 @@ def moe_uneven_gather_scatter_on_gloo() -> None:
 
     replace(mappings, "_gather_along_first_dim", _gather_along_first_dim)
     replace(mappings, "_reduce_scatter_along_first_dim", _reduce_scatter_along_first_dim)
+
+
+@register(upstream=("megatron/core/transformer/moe/experts.py:SequentialMLP.forward",
+                    "megatron/core/transformer/mlp.py:MLP.forward",
+                    "torch/__init__.py:_grouped_mm"),
+          fixes="SequentialMLP runs its experts one after the other (two GEMMs each, after a host synchronisation "
+                "for the split sizes); megatron-core's grouped-GEMM experts need Transformer Engine or the "
+                "grouped_gemm package: each SequentialMLP's `forward` becomes make_forward(the module), which must "
+                "compute what upstream's does (the expert MLP of MLP.forward, non-fused activation branch) from "
+                "the same parameters; torch._grouped_mm is private (bf16/fp32, CPU and CUDA in torch 2.11)",
+          fingerprint="420140d264b23c14")
+def route_experts_through(chunks: Iterable[torch.nn.Module], make_forward: Callable[[torch.nn.Module], Callable]) -> int:
+    """Give every SequentialMLP (the experts of an MoELayer) in `chunks` the forward `make_forward(module)`;
+    returns how many."""
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    count = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, SequentialMLP):
+                module.forward = make_forward(module)
+                count += 1
+    return count

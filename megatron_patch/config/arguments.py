@@ -90,6 +90,9 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
         g.add_argument(f"--{name}", action="store_true")
     g.add_argument("--moe-shared-expert-gate", action="store_true",
                    help="scale the shared expert's output by a sigmoid gate (Qwen2-MoE)")
+    g.add_argument("--moe-grouped-gemm", action="store_true",
+                   help="run each MoE layer's experts as two grouped GEMMs (torch._grouped_mm) instead of a GEMM pair "
+                        "per expert; same parameters and checkpoints (expert tensor parallel size 1, not with ZeRO-2)")
 
     g = p.add_argument_group("BERT (pretrain_megatron_bert.py)")
     g.add_argument("--bert-no-binary-head", dest="bert_binary_head", action="store_false",

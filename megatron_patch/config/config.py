@@ -62,6 +62,7 @@ class Config:
     moe_pad_expert_input_to_capacity: bool = False
     moe_token_drop_policy: str = "probs"  # probs | position
     moe_per_layer_logging: bool = False
+    moe_grouped_gemm: bool = False  # experts as two torch._grouped_mm calls (models/grouped_experts.py)
     # ---- BERT pretraining (pretrain_megatron_bert.py; Megatron-LM's names and defaults; bert_binary_head above)
     mask_prob: float = 0.15  # share of tokens the masked-LM objective predicts
     short_seq_prob: float = 0.1  # share of samples cut shorter than --seq-length

@@ -48,6 +48,8 @@ def validate_moe(c: Config, world_size: int, tp: int, pp: int) -> int:
             _fail("--expert-model-parallel-size / --expert-tensor-parallel-size need --num-experts")
         if c.moe_shared_expert_intermediate_size is not None or c.moe_shared_expert_gate:
             _fail("--moe-shared-expert-intermediate-size / --moe-shared-expert-gate need --num-experts")
+        if c.moe_grouped_gemm:
+            _fail("--moe-grouped-gemm groups the GEMMs of an MoE layer's experts: it needs --num-experts")
         return world_size // (tp * pp)
     etp = etp or tp
     n = c.num_experts
@@ -60,6 +62,13 @@ def validate_moe(c: Config, world_size: int, tp: int, pp: int) -> int:
         _fail(f"world size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
               f"--expert-model-parallel-size {ep} x --pipeline-model-parallel-size {pp} = {etp * ep * pp}: the expert "
               f"layers are laid out as ETP x EP x expert-DP x PP over the same processes")
+    if c.moe_grouped_gemm and etp > 1:
+        _fail(f"--moe-grouped-gemm runs each expert whole on its rank; the expert tensor-parallel size is {etp} "
+              f"(--expert-tensor-parallel-size, default --tensor-model-parallel-size): pass "
+              f"--expert-tensor-parallel-size 1")
+    if c.moe_grouped_gemm and c.zero_2_memory_optimization:
+        _fail("--moe-grouped-gemm reads the experts' weights directly, which Megatron-FSDP (ZeRO-2) shards per "
+              "module: use --zero-1-memory-optimization or no ZeRO with it")
     ffn = c.moe_ffn_hidden_size or c.ffn_hidden_size or 4 * c.hidden_size
     if ffn % etp:
         _fail(f"the experts' hidden size {ffn} (--moe-ffn-hidden-size) is not divisible by "

@@ -22,6 +22,7 @@ from megatron.core.transformer.module import Float16Module
 from megatron_patch.config import Config, ConfigError
 from megatron_patch.models import build_bert_model, build_gpt_model, padded_vocab_size
 from megatron_patch.models.init import layout_invariant_init
+from megatron_patch.models.grouped_experts import apply_grouped_experts
 from megatron_patch.models.wgrad_fusion import apply_gradient_accumulation_fusion
 from megatron_patch.parallel import initialize, print_rank_0
 
@@ -90,6 +91,8 @@ def build_model_chunks(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
         loaded = load_hf_weights(chunks, cfg, cfg.load_hf)
         for line in describe_load(loaded, f"--load-hf {cfg.load_hf}"):
             print_rank_0(line)
+    if cfg.moe_grouped_gemm:
+        print_rank_0(apply_grouped_experts(chunks))
     if cfg.gradient_accumulation_fusion:
         print_rank_0(apply_gradient_accumulation_fusion(chunks))
     if cfg.compile:
