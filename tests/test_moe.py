@@ -31,6 +31,9 @@ LAYOUTS = {  # name -> (processes, flags)
     # --moe-grouped-gemm: the experts as two torch._grouped_mm calls instead of megatron-core's SequentialMLP
     "grouped": (1, ["--moe-grouped-gemm"]),
     "ep2_grouped": (2, ["--expert-model-parallel-size", "2", "--moe-grouped-gemm"]),
+    "tp2_ep2_etp1_zero1_grouped": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                                       "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
+                                       "--zero-1-memory-optimization", "--moe-grouped-gemm"]),
 }
 
 

@@ -4,8 +4,9 @@ megatron-core's local spec runs the experts as a SequentialMLP: per micro batch 
 synchronisation for the split sizes (`tokens_per_expert.tolist()`), then two GEMMs per expert forward and four
 backward, each over only that expert's tokens. Megatron-LM's `--moe-grouped-gemm` needs Transformer Engine's
 GroupedLinear or the grouped_gemm package, neither of which the GPU image has. torch._grouped_mm multiplies
-every expert's rows by that expert's weight in one call (torch 2.11: one CUTLASS kernel on Hopper in bf16, a
-per-group loop on other devices), with the group boundaries read on the device: no host synchronisation here.
+every expert's rows by that expert's weight in one call (torch 2.11: one CUTLASS kernel on Hopper in bf16, its
+per-group fallback for other dtypes and devices), with the group boundaries read on the device: no host
+synchronisation here.
 
 The parameters stay SequentialMLP's (`local_experts.{i}.linear_fc1/linear_fc2`), so checkpoints, conversion and
 --load-hf are unchanged and runs with and without the flag resume each other's checkpoints. Each forward stacks
