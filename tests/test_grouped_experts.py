@@ -91,3 +91,26 @@ def test_probabilities_on_the_input_as_upstream():
     experts.config.moe_apply_probs_on_input = False
     want = _per_expert(experts, probs.unsqueeze(-1) * x, counts, torch.ones(10))
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+
+
+def test_backward_keeps_the_parameters_not_a_stacked_copy():
+    """What the grouped path saves for backward (beyond the parameters themselves) is no more than what the
+    per-expert matmuls save: autograd around torch.stack would keep a copy of every expert weight per micro
+    batch (39 MiB instead of 6 MiB with 8 experts of 512 x 1408 and 512 tokens)."""
+    def saved_bytes(fn):
+        experts = _experts(8, True, torch.bfloat16)
+        params = {w.data_ptr() for e in experts.local_experts for w in (e.linear_fc1.weight, e.linear_fc2.weight)}
+        seen = {}
+
+        def pack(t):
+            if t.data_ptr() not in params:
+                seen[(t.data_ptr(), tuple(t.shape))] = t.numel() * t.element_size()
+            return t
+
+        x, probs = torch.randn(64, HIDDEN, dtype=torch.bfloat16), torch.rand(64)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(experts, x.requires_grad_(), [8] * 8, probs)
+        return sum(seen.values())
+
+    grouped = saved_bytes(lambda e, x, c, p: grouped_expert_mlp(e, x, torch.tensor(c), p)[0])
+    assert grouped <= saved_bytes(_per_expert) + 8 * 4, grouped  # + the group offsets, an int32 per expert

@@ -149,6 +149,8 @@ BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attent
       "--disable-bias-linear"], 2, "pass --expert-tensor-parallel-size 1"),
     (["--num-experts", "4", "--moe-grouped-gemm", "--zero-2-memory-optimization", "--disable-bias-linear"], 2,
      "--moe-grouped-gemm reads the experts' weights directly"),
+    (["--num-experts", "4", "--moe-grouped-gemm", "--moe-ffn-hidden-size", "50", "--disable-bias-linear"], 1,
+     "experts' hidden size (50, --moe-ffn-hidden-size) must be multiples of 8"),
 ])
 def test_moe_rejections(extra, world, match):
     with pytest.raises(ConfigError, match=re.escape(match)):

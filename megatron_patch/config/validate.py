@@ -70,6 +70,9 @@ def validate_moe(c: Config, world_size: int, tp: int, pp: int) -> int:
         _fail("--moe-grouped-gemm reads the experts' weights directly, which Megatron-FSDP (ZeRO-2) shards per "
               "module: use --zero-1-memory-optimization or no ZeRO with it")
     ffn = c.moe_ffn_hidden_size or c.ffn_hidden_size or 4 * c.hidden_size
+    if c.moe_grouped_gemm and (c.hidden_size % 8 or ffn % 8):
+        _fail(f"--moe-grouped-gemm: torch._grouped_mm needs rows of whole 16-byte units, so --hidden-size "
+              f"({c.hidden_size}) and the experts' hidden size ({ffn}, --moe-ffn-hidden-size) must be multiples of 8")
     if ffn % etp:
         _fail(f"the experts' hidden size {ffn} (--moe-ffn-hidden-size) is not divisible by "
               f"--expert-tensor-parallel-size {etp}")

@@ -1,20 +1,20 @@
 """`--moe-grouped-gemm`: the experts of each MoE layer as two grouped GEMMs instead of one GEMM pair per expert.
 
-megatron-core's local spec runs the experts as a SequentialMLP: per micro batch and layer, a host
-synchronisation for the split sizes (`tokens_per_expert.tolist()`), then two GEMMs per expert forward and four
-backward, each over only that expert's tokens. Megatron-LM's `--moe-grouped-gemm` needs Transformer Engine's
-GroupedLinear or the grouped_gemm package, neither of which the GPU image has. torch._grouped_mm multiplies
-every expert's rows by that expert's weight in one call (torch 2.11: one CUTLASS kernel on Hopper in bf16, its
-per-group fallback for other dtypes and devices), with the group boundaries read on the device: no host
-synchronisation here.
+megatron-core's local spec runs the experts as a SequentialMLP: per micro batch and layer, two GEMMs per expert
+forward and four backward, each over only that expert's tokens (small GEMMs and many launches when experts
+are many). Megatron-LM's `--moe-grouped-gemm` needs Transformer Engine's GroupedLinear or the grouped_gemm
+package, neither of which the GPU image has. torch._grouped_mm multiplies every expert's rows by that
+expert's weight in one call (torch 2.11: one CUTLASS kernel on Hopper in bf16, its per-group fallback for other
+dtypes and devices). The group boundaries go to the device with a non-blocking copy, so the grouped path adds
+no wait on the GPU (the token dispatcher's own synchronisation stays).
 
 The parameters stay SequentialMLP's (`local_experts.{i}.linear_fc1/linear_fc2`), so checkpoints, conversion and
---load-hf are unchanged and runs with and without the flag resume each other's checkpoints. Each forward stacks
-the experts' weights into [experts, in, out] (one copy of the expert weights per micro batch, small next to
-the activations the GEMMs read); autograd hands each expert's slice of the stacked gradient back to its own
-parameter. The computation is MLP.forward's (megatron/core/transformer/mlp.py, the branch without fused
-bias-activation, which this engine uses): fc1, the activation or gated unit, times the routing probability,
-fc2. Experts have no biases here (the engine's MoE layers need --disable-bias-linear).
+--load-hf are unchanged and runs with and without the flag resume each other's checkpoints. Each GEMM stacks
+the experts' weights into [experts, out, in] for the call and again in backward, saving only the parameters
+themselves for backward (autograd would keep the stacked copy alive for every micro batch in flight: the
+size of the layer's expert weights each). The computation is MLP.forward's (megatron/core/transformer/mlp.py,
+the branch without fused bias-activation, which this engine uses): fc1, the activation or gated unit, times the
+routing probability, fc2. Experts have no biases here (the engine's MoE layers need --disable-bias-linear).
 """
 from __future__ import annotations
 
@@ -36,6 +36,26 @@ def _activation(config, x: torch.Tensor) -> torch.Tensor:
     return config.activation_func(x_glu) * (x_linear + config.glu_linear_offset)
 
 
+class _GroupedLinear(torch.autograd.Function):
+    """y[rows of expert e] = x[rows of expert e] @ weight_e^T for the experts' [out, in] weights, the rows of
+    expert e ending at offsets[e]; saves the weights, not their stacked copy."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, offsets: torch.Tensor, *weights: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, offsets, *weights)
+        return torch._grouped_mm(x, torch.stack(weights).transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, offsets, *weights = ctx.saved_tensors
+        grad_x = grad_w = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._grouped_mm(grad, torch.stack(weights), offs=offsets)  # dy_e @ W_e
+        if any(ctx.needs_input_grad[2:]):
+            grad_w = torch._grouped_mm(grad.t(), x, offs=offsets).unbind(0)  # dy_e^T @ x_e, [experts, out, in]
+        return (grad_x, None, *(grad_w if grad_w is not None else [None] * len(weights)))
+
+
 def grouped_expert_mlp(experts: torch.nn.Module, hidden: torch.Tensor, tokens_per_expert: torch.Tensor,
                        probs: torch.Tensor) -> Tuple[torch.Tensor, None]:
     """What SequentialMLP.forward(hidden, tokens_per_expert, probs) returns, with grouped GEMMs: `hidden` holds
@@ -48,23 +68,23 @@ def grouped_expert_mlp(experts: torch.nn.Module, hidden: torch.Tensor, tokens_pe
         probs = torch.ones_like(probs)
     fc1 = [e.linear_fc1.weight for e in experts.local_experts]
     fc2 = [e.linear_fc2.weight for e in experts.local_experts]
-    counts = tokens_per_expert.to(device=hidden.device, dtype=torch.int32)
-    offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # the end row of each expert's tokens
-    x = torch._grouped_mm(hidden, torch.stack(fc1).transpose(1, 2), offs=offsets)
+    # The end row of each expert's tokens. The dispatchers give the counts on the host: sum them there and
+    # copy without blocking (a blocking copy would wait for all queued GPU work).
+    offsets = torch.cumsum(tokens_per_expert, 0, dtype=torch.int32).to(hidden.device, non_blocking=True)
+    x = _GroupedLinear.apply(hidden, offsets, *fc1)
     x = _activation(config, x)
     dtype = x.dtype
     x = (x * probs.unsqueeze(-1)).to(dtype)
-    out = torch._grouped_mm(x, torch.stack(fc2).transpose(1, 2), offs=offsets)
-    return out, None
+    return _GroupedLinear.apply(x, offsets, *fc2), None
 
 
 def _make_forward(experts: torch.nn.Module) -> Callable:
     upstream = experts.forward
 
     def forward(permuted_local_hidden_states: torch.Tensor, tokens_per_expert: torch.Tensor,
-                permuted_probs: torch.Tensor):
-        if experts.num_local_experts == 1:  # one GEMM pair either way: upstream's path
-            return upstream(permuted_local_hidden_states, tokens_per_expert, permuted_probs)
+                permuted_probs: torch.Tensor, **kwargs):
+        if experts.num_local_experts == 1 or kwargs:  # one GEMM pair either way / a call this path does not know
+            return upstream(permuted_local_hidden_states, tokens_per_expert, permuted_probs, **kwargs)
         return grouped_expert_mlp(experts, permuted_local_hidden_states, tokens_per_expert, permuted_probs)
 
     return forward
@@ -91,5 +111,8 @@ def apply_grouped_experts(chunks: Iterable[torch.nn.Module]) -> str:
         check_experts(experts)
         return _make_forward(experts)
 
-    count = route_experts_through(chunks, make)
-    return f"MoE grouped GEMM: the experts of {count} MoE layers run as two torch._grouped_mm calls a micro batch"
+    route_experts_through(chunks, make)
+    grouped = sum(1 for chunk in chunks for m in chunk.modules()
+                  if type(m).__name__ == "SequentialMLP" and m.num_local_experts > 1)
+    return (f"MoE grouped GEMM: the experts of {grouped} MoE layers run as two torch._grouped_mm calls a micro "
+            f"batch" + ("" if grouped else " (none: one expert per rank runs as one GEMM pair anyway)"))
