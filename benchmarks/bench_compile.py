@@ -68,8 +68,13 @@ def demo_bert_data(out: str, vocab: str = None) -> tuple:
     return prefix + "_text_sentence", vocab
 
 
+def config_of(a, family: str) -> tuple:
+    """(size preset, layers or None, micro batch, sequence length) of `family` in this run."""
+    return ("tiny", None, 2, 64) if a.tiny else CONFIGS[family]
+
+
 def command(a, family: str) -> list:
-    size, layers, mbs, seq = ("tiny", None, 2, 64) if a.tiny else CONFIGS[family]
+    size, layers, mbs, seq = config_of(a, family)
     iters = a.warmup + a.steps
     script = "pretrain_megatron_bert.py" if family == "bert" else "pretrain_megatron_gpt.py"
     cmd = [sys.executable, os.path.join(ROOT, script), "--model-family", family, "--model-size", size,
@@ -128,18 +133,14 @@ def _count(n: int) -> str:
 
 
 def print_table(a, rows) -> None:
-    gpu = "CPU"
-    try:
-        import torch
+    import torch
 
-        gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    except ImportError:
-        pass
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
     print(f"\n{gpu} | eager vs --compile, {a.warmup} warm-up + {a.steps} timed steps, one micro batch a step")
     print(f"{'family':<10} | {'size':<16} | {'params':>7} | {'1st step s':>12} | {'tokens/s':>17} | {'speed':>5} | "
           f"{'graphs':>6} | {'recompiles':>10} | {'loss gap':>8} | peak GiB")
     for family, cmd, pair in rows:
-        size, layers, mbs, seq = ("tiny", None, 2, 64) if a.tiny else CONFIGS[family]
+        size, layers, mbs, seq = config_of(a, family)
         label = size + (f" ({layers} layers)" if layers else "")
         bad = [f"{n}: {r['error'][-300:]}" for n, r in pair.items() if "error" in r]
         if bad:

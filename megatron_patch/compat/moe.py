@@ -96,8 +96,8 @@ def moe_uneven_gather_scatter_on_gloo() -> None:
 @register(upstream=("megatron/core/transformer/moe/experts.py:SequentialMLP.forward",
                     "megatron/core/transformer/mlp.py:MLP.forward",
                     "torch/__init__.py:_grouped_mm"),
-          fixes="SequentialMLP runs its experts one after the other (two GEMMs each, after a host synchronisation "
-                "for the split sizes); megatron-core's grouped-GEMM experts need Transformer Engine or the "
+          fixes="SequentialMLP runs its experts one after the other (two GEMMs each over that expert's rows); "
+                "megatron-core's grouped-GEMM experts need Transformer Engine or the "
                 "grouped_gemm package: each SequentialMLP's `forward` becomes make_forward(the module), which must "
                 "compute what upstream's does (the expert MLP of MLP.forward, non-fused activation branch) from "
                 "the same parameters; torch._grouped_mm is private (bf16/fp32, CPU and CUDA in torch 2.11)",

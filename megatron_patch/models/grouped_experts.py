@@ -105,14 +105,14 @@ def check_experts(experts: torch.nn.Module) -> None:
 
 def apply_grouped_experts(chunks: Iterable[torch.nn.Module]) -> str:
     """Route every MoE layer's SequentialMLP in `chunks` through grouped GEMMs. Returns the log line."""
-    chunks = list(chunks)
+    grouped = 0  # layers with several local experts (one expert per rank keeps upstream's path)
 
     def make(experts: torch.nn.Module) -> Callable:
+        nonlocal grouped
         check_experts(experts)
+        grouped += experts.num_local_experts > 1
         return _make_forward(experts)
 
     route_experts_through(chunks, make)
-    grouped = sum(1 for chunk in chunks for m in chunk.modules()
-                  if type(m).__name__ == "SequentialMLP" and m.num_local_experts > 1)
     return (f"MoE grouped GEMM: the experts of {grouped} MoE layers run as two torch._grouped_mm calls a micro "
             f"batch" + ("" if grouped else " (none: one expert per rank runs as one GEMM pair anyway)"))
