@@ -34,6 +34,8 @@ LAYOUTS = {  # name -> (processes, flags)
     "tp2_ep2_etp1_zero1_grouped": (4, ["--tensor-model-parallel-size", "2", "--sequence-parallel",
                                        "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1",
                                        "--zero-1-memory-optimization", "--moe-grouped-gemm"]),
+    # with the dense linears' weight gradients fused into the buffer; the grouped experts keep the usual hooks
+    "grouped_wgrad_fusion": (1, ["--moe-grouped-gemm", "--gradient-accumulation-fusion"]),
 }
 
 
@@ -48,7 +50,7 @@ def reference(tmp_path_factory):
     return lines, _model(full_weights(str(d / "ckpt" / "iter_0000005"))), d / "ckpt"
 
 
-FAST = ("ep2", "grouped")  # the rest run in `make test-all` (CI time)
+FAST = ("ep2", "grouped", "grouped_wgrad_fusion")  # the rest run in `make test-all` (CI time)
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])
@@ -58,6 +60,9 @@ def test_layout_matches_single_process(name, reference, tmp_path):
     lines, proc = run_engine(tmp_path, nproc, *MOE, *args, "--save", str(tmp_path / "ckpt"))
     if "--moe-grouped-gemm" in args:
         assert "MoE grouped GEMM: the experts of 2 MoE layers" in proc.stdout
+    if "--gradient-accumulation-fusion" in args:  # 2 layers x (QKV, projection) + output; 2 x 4 experts x 2
+        assert ("gradient accumulation fusion: 5 linear layers" in proc.stdout
+                and "16 expert linears run as grouped GEMMs" in proc.stdout), proc.stdout
     assert train_losses(lines) == pytest.approx(train_losses(ref_lines), rel=1e-5)
     assert train_losses(lines)[-1] < train_losses(lines)[0]
     for key in ("grad_norm", "moe_load_balancing_loss", "moe_z_loss"):

@@ -110,7 +110,8 @@ def apply_grouped_experts(chunks: Iterable[torch.nn.Module]) -> str:
     def make(experts: torch.nn.Module) -> Callable:
         nonlocal grouped
         check_experts(experts)
-        grouped += experts.num_local_experts > 1
+        experts.grouped_gemm = experts.num_local_experts > 1  # read by --gradient-accumulation-fusion's log
+        grouped += experts.grouped_gemm
         return _make_forward(experts)
 
     route_experts_through(chunks, make)

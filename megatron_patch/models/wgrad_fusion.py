@@ -86,6 +86,17 @@ def _make_forward_impl(upstream):
 def apply_gradient_accumulation_fusion(chunks: Iterable[torch.nn.Module]) -> str:
     """Route the column- and row-parallel linears of `chunks` through the fused weight-gradient function (where
     the call is eligible, decided per call: see `_eligible`). Returns the log line."""
+    chunks = list(chunks)
     count = route_linears_through(chunks, _make_forward_impl)
-    return (f"gradient accumulation fusion: {count} linear layers accumulate weight gradients straight into the "
-            f"gradient buffer (tensor-parallel collectives inside a linear keep megatron-core's path)")
+    # Experts routed through --moe-grouped-gemm never call their linears' forward: not fused, so not counted.
+    bypassed = sum(_count_linears(m) for chunk in chunks for m in chunk.modules() if getattr(m, "grouped_gemm", False))
+    return (f"gradient accumulation fusion: {count - bypassed} linear layers accumulate weight gradients straight "
+            f"into the gradient buffer (tensor-parallel collectives inside a linear keep megatron-core's path"
+            + (f"; {bypassed} expert linears run as grouped GEMMs instead, their gradients by the usual hooks)"
+               if bypassed else ")"))
+
+
+def _count_linears(module: torch.nn.Module) -> int:
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    return sum(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in module.modules())
