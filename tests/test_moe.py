@@ -59,7 +59,8 @@ def test_layout_matches_single_process(name, reference, tmp_path):
     ref_lines, ref_weights, _ = reference
     lines, proc = run_engine(tmp_path, nproc, *MOE, *args, "--save", str(tmp_path / "ckpt"))
     if "--moe-grouped-gemm" in args:
-        assert "MoE grouped GEMM: the experts of 2 MoE layers" in proc.stdout
+        assert "MoE grouped GEMM: the experts of 2 MoE layers run as two torch._grouped_mm calls per layer" \
+            in proc.stdout
     if "--gradient-accumulation-fusion" in args:  # 2 layers x (QKV, projection) + output; 2 x 4 experts x 2
         assert ("gradient accumulation fusion: 5 linear layers" in proc.stdout
                 and "16 expert linears run as grouped GEMMs" in proc.stdout), proc.stdout

@@ -79,17 +79,18 @@ def test_linear_into_main_grad_gives_torchs_gradients(compiled):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc,layout,extra", [
-    (1, [], []), (1, [], ["--bf16", "--grad-reduce-in-bf16", "--model-family", "llama"]), (1, [], ["--compile"]),
-    # TP 2: row-parallel linears fused, column-parallel ones (an all-reduce inside) on megatron-core's path
-    (2, ["--tensor-model-parallel-size", "2"], []), (2, ["--zero-1-memory-optimization"], []),
+@pytest.mark.parametrize("nproc,layout,extra,fused", [
+    (1, [], [], 17), (1, [], ["--bf16", "--grad-reduce-in-bf16", "--model-family", "llama"], 17),
+    (1, [], ["--compile"], 17),  # 4 layers x 4 + output
+    # TP 2: row-parallel linears fused (4 layers x 2), column-parallel ones (an all-reduce inside) on megatron-core's
+    (2, ["--tensor-model-parallel-size", "2"], [], 8), (2, ["--zero-1-memory-optimization"], [], 17),
 ], ids=["fp32", "bf16-grads-llama", "compile", "tp2", "dp2-zero1"])
-def test_engine_with_fusion_trains_like_the_unfused_single_process_run(tmp_path, nproc, layout, extra):
+def test_engine_with_fusion_trains_like_the_unfused_single_process_run(tmp_path, nproc, layout, extra, fused):
     args = ["--train-iters", "4", "--eval-iters", "0", *extra]
     plain, _ = run_engine(tmp_path / "plain", 1, *args)
-    fused, proc = run_engine(tmp_path / "fused", nproc, *args, *layout, "--gradient-accumulation-fusion")
-    assert "gradient accumulation fusion: 17 linear layers" in proc.stdout  # 4 layers x 4 + output
-    assert train_losses(fused) == pytest.approx(train_losses(plain), rel=1e-4)
+    lines, proc = run_engine(tmp_path / "fused", nproc, *args, *layout, "--gradient-accumulation-fusion")
+    assert f"gradient accumulation fusion: {fused} linear layers accumulate" in proc.stdout
+    assert train_losses(lines) == pytest.approx(train_losses(plain), rel=1e-4)
 
 
 @pytest.mark.gpu

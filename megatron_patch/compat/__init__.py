@@ -72,6 +72,7 @@ apply_onnx_runtime_fixes() (onnx_runtime.py), order `ONNX_RUNTIME`:
 Called at their call sites (not applied globally):
   dynamo.py        tp_group_default_without_warning (--compile: training/compile.py, before compiling)
   linear.py        route_linears_through (--gradient-accumulation-fusion: models/wgrad_fusion.py, built chunks)
+                   count_linears_without_collective (its log: which linears the fused path takes)
   moe.py           route_experts_through (--moe-grouped-gemm: models/grouped_experts.py, built chunks)
   optimizer.py     replace_torch_optimizer (LAMB into megatron-core's wrappers), use_fused_adam (GPU),
                    fuse_optimizer_step (--optimizer-step-fusion: training/fused_adam.py, built optimizer)

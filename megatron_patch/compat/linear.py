@@ -30,3 +30,20 @@ def route_linears_through(chunks: Iterable[torch.nn.Module], make_impl: Callable
                 module._forward_impl = make_impl(module._forward_impl)
                 count += 1
     return count
+
+
+def count_linears_without_collective(chunks: Iterable[torch.nn.Module]) -> int:
+    """How many ColumnParallelLinear / RowParallelLinear in `chunks` megatron-core calls with no tensor-parallel
+    collective inside the linear function (allreduce_dgrad and sequence_parallel both False), as the two forwards
+    fingerprinted above pass them: ColumnParallelLinear.forward from its attributes (both False for experts with
+    explicit communication), RowParallelLinear.forward always False."""
+    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+
+    count = 0
+    for chunk in chunks:
+        for m in chunk.modules():
+            if isinstance(m, RowParallelLinear):
+                count += 1
+            elif isinstance(m, ColumnParallelLinear):
+                count += m.explicit_expert_comm or not (m.allreduce_dgrad or m.sequence_parallel)
+    return count

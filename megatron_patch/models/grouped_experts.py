@@ -115,5 +115,5 @@ def apply_grouped_experts(chunks: Iterable[torch.nn.Module]) -> str:
         return _make_forward(experts)
 
     route_experts_through(chunks, make)
-    return (f"MoE grouped GEMM: the experts of {grouped} MoE layers run as two torch._grouped_mm calls a micro "
-            f"batch" + ("" if grouped else " (none: one expert per rank runs as one GEMM pair anyway)"))
+    return (f"MoE grouped GEMM: the experts of {grouped} MoE layers run as two torch._grouped_mm calls per layer "
+            f"and micro batch" + ("" if grouped else " (none: one expert per rank runs as one GEMM pair anyway)"))

@@ -18,7 +18,7 @@ from typing import Iterable, Optional
 
 import torch
 
-from megatron_patch.compat.linear import route_linears_through
+from megatron_patch.compat.linear import count_linears_without_collective, route_linears_through
 
 
 @torch.library.custom_op("megatron_patch::accumulate_wgrad", mutates_args=("main_grad",))
@@ -87,16 +87,14 @@ def apply_gradient_accumulation_fusion(chunks: Iterable[torch.nn.Module]) -> str
     """Route the column- and row-parallel linears of `chunks` through the fused weight-gradient function (where
     the call is eligible, decided per call: see `_eligible`). Returns the log line."""
     chunks = list(chunks)
-    count = route_linears_through(chunks, _make_forward_impl)
+    routed = route_linears_through(chunks, _make_forward_impl)
+    fused = count_linears_without_collective(chunks)
     # Experts routed through --moe-grouped-gemm never call their linears' forward: not fused, so not counted.
-    bypassed = sum(_count_linears(m) for chunk in chunks for m in chunk.modules() if getattr(m, "grouped_gemm", False))
-    return (f"gradient accumulation fusion: {count - bypassed} linear layers accumulate weight gradients straight "
-            f"into the gradient buffer (tensor-parallel collectives inside a linear keep megatron-core's path"
-            + (f"; {bypassed} expert linears run as grouped GEMMs instead, their gradients by the usual hooks)"
-               if bypassed else ")"))
-
-
-def _count_linears(module: torch.nn.Module) -> int:
-    from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
-
-    return sum(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) for m in module.modules())
+    grouped = [m for chunk in chunks for m in chunk.modules() if getattr(m, "grouped_gemm", False)]
+    bypassed = count_linears_without_collective(grouped)
+    notes = ([f"{routed - fused} with a tensor-parallel collective inside keep megatron-core's path"]
+             if routed > fused else [])
+    if bypassed:
+        notes.append(f"{bypassed} expert linears run as grouped GEMMs instead, their gradients by the usual hooks")
+    return (f"gradient accumulation fusion: {fused - bypassed} linear layers accumulate weight gradients straight "
+            f"into the gradient buffer" + (f" ({'; '.join(notes)})" if notes else ""))
