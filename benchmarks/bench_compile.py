@@ -138,7 +138,7 @@ def main(argv=None) -> None:
             with open(a.out, "a") as f:
                 f.write(json.dumps(r) + "\n")
             print(json.dumps(r), flush=True)
-        rows.append((family, cmd, pair))
+        rows.append((family, pair))
     failed = print_table(a, rows)
     if failed:
         sys.exit(f"bench_compile: {failed} of {len(rows)} families failed (see the table)")
@@ -158,7 +158,7 @@ def print_table(a, rows) -> int:
     print(f"\n{gpu} | eager vs --compile, {a.warmup} warm-up + {a.steps} timed steps, one micro batch a step")
     print(f"{'family':<10} | {'size':<16} | {'params':>7} | {'1st step s':>12} | {'tokens/s':>17} | {'speed':>5} | "
           f"{'graphs':>6} | {'after step 2':>12} | {'loss gap':>8} | {'noise':>7} | peak GiB")
-    for family, cmd, pair in rows:
+    for family, pair in rows:
         size, layers, mbs, seq = config_of(a, family)
         label = size + (f" ({layers} layers)" if layers else "")
         bad = [f"{n}: {r['error'][-300:]}" for n, r in pair.items() if "error" in r]
