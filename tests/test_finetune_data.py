@@ -109,8 +109,11 @@ def test_data_name_subdir_data_dir_and_hub_shards(tmp_path):
     write_jsonl(tmp_path / "glue" / "train.jsonl", PAIRS[:4])  # a different dataset one level up
     write_jsonl(tmp_path / "glue" / "validation.jsonl", PAIRS[:4])
     assert len(load_finetune_dataset(str(tmp_path / "glue"), "mrpc")["validation"]) == 1
-    # a --data-name without such a subdirectory: the directory itself is the dataset (--data-name is required)
-    assert len(load_finetune_dataset(str(tmp_path / "glue"), "sst2")["validation"]) == 4
+    # a --data-name that names nothing is refused, not ignored; the directory's own name selects itself
+    with pytest.raises(FinetuneDataError, match=r"--data-name 'sst2': .* no subdirectory 'sst2' \(subdirectories: \['mrpc'\]"):
+        load_finetune_dataset(str(tmp_path / "glue"), "sst2")
+    assert len(load_finetune_dataset(str(tmp_path / "glue" / "mrpc"), "mrpc")["validation"]) == 1
+    assert len(load_finetune_dataset(str(tmp_path / "glue"))["validation"]) == 4
     # --data-dir relative to --data-path
     assert len(load_finetune_dataset(str(tmp_path), None, "glue/mrpc")["train"]) == 6
     # --data-path is a name, --data-dir an existing directory
@@ -145,10 +148,12 @@ def test_missing_train_names_directory_and_files(tmp_path):
     write_jsonl(tmp_path / "training_data.jsonl", PAIRS)
     write_jsonl(tmp_path / "validation.jsonl", PAIRS)
     with pytest.raises(FinetuneDataError) as e:
-        load_finetune_dataset(str(tmp_path), "mrpc")
+        load_finetune_dataset(str(tmp_path))
     msg = str(e.value)
     assert "no train split" in msg and str(tmp_path) in msg and "training_data.jsonl" in msg
-    assert "--data-path" in msg and "'mrpc'" in msg
+    assert "--data-path" in msg
+    with pytest.raises(FinetuneDataError, match="--data-name 'mrpc'.* no subdirectory 'mrpc'"):
+        load_finetune_dataset(str(tmp_path), "mrpc")
 
 
 def test_missing_validation_is_an_error_not_a_silent_split(tmp_path):

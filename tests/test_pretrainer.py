@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -87,7 +88,7 @@ def test_megatron_gpt_sample_equals_the_engine_at_tp2_pp2_zero2_recompute(corpor
 def _bert_flags(model, corpora, iters, *extra):
     return ["--user-script", BERT_SAMPLE, "--pretrained-model-name-or-path", model, "--micro-batch-size", "8",
             "--global-batch-size", "16", "--seq-length", "64", "--tokenizer-type", "BertWordPieceLowerCase",
-            "--max-position-embeddings", "64", "--train-iters", str(iters), "--data-path", corpora["bert"],
+            "--max-position-embeddings", "256", "--train-iters", str(iters), "--data-path", corpora["bert"],
             "--vocab-file", corpora["wp_vocab"], "--data-impl", "mmap", "--split", "980,20", "--lr", "1e-3",
             "--lr-decay-style", "linear", "--weight-decay", "1e-2", "--clip-grad", "1.0", "--lr-warmup-fraction",
             ".01", "--log-interval", "1", "--eval-interval", "1000", "--seed", "5", *extra]
@@ -165,6 +166,9 @@ def test_blackbox_causal_pretraining_starts_from_the_directory_weights(corpora, 
                        "--seed", "3", "--save", save)
     assert proc.returncode == 0, explain(proc)
     assert "model: starting from the weights in" in proc.stdout
+    # the two log lines about samples agree (80 drawn) and say what the dataset's larger count is
+    assert "samples to draw: train 80 (20 iterations of 4)" in proc.stdout
+    assert re.search(r"training: 20 iterations of 4 samples .*: 80 of the training dataset's \d+ samples", proc.stdout)
     losses = [x["loss"] for x in _train(_lines(os.path.join(save, "metrics.jsonl")))]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 - 0.3, losses
     # the first loss is the directory model's on the first 4 samples

@@ -99,9 +99,10 @@ def test_two_workers_train_like_one(tmp_path):
 def test_howto_finetune_command_on_minilm(tmp_path):
     """The how-to's black-box command with local paths on the real MiniLM: a sentence-pair task from real
     text, validation accuracy clearly above the majority class (0.5: the data is balanced)."""
-    data = write_task_dataset("sequence_classification", str(tmp_path / "pairs"), n_train=1000, n_valid=300)
+    write_task_dataset("sequence_classification", str(tmp_path / "glue" / "mrpc"), n_train=1000, n_valid=300)
     proc = rapidformer("--task", "sequence_classification", "--pretrained-model-name-or-path", minilm_dir(),
-                       "--data-path", data, "--data-name", "mrpc", "--epochs", "3", "--micro-batch-size", "16",
+                       "--data-path", str(tmp_path / "glue"), "--data-name", "mrpc", "--epochs", "3",
+                       "--micro-batch-size", "16",
                        "--global-batch-size", "64", "--lr", "1e-4", "--lr-decay-style", "linear",
                        "--lr-warmup-iters", "10", "--weight-decay", "1e-2", "--clip-grad", "1.0", "--seed", "42",
                        "--seq-length", "128", "--zero-1-memory-optimization", "--nproc-per-node", "2",
@@ -112,7 +113,10 @@ def test_howto_finetune_command_on_minilm(tmp_path):
 
 
 def _pairs_and_model(tmp_path):
-    data = write_task_dataset("sequence_classification", str(tmp_path / "data"), n_train=96, n_valid=40, n_test=20)
+    """A sentence-pair dataset in GLUE's layout (DIR/glue/mrpc: --data-path DIR/glue --data-name mrpc) and a
+    tiny BERT; returns the files' directory and the model's."""
+    data = write_task_dataset("sequence_classification", str(tmp_path / "glue" / "mrpc"), n_train=96, n_valid=40,
+                              n_test=20)
     return data, tiny_model("bert", str(tmp_path / "model"))
 
 
@@ -122,7 +126,8 @@ def test_howto_finetuner_script_runs_with_its_command(tmp_path):
     data, model = _pairs_and_model(tmp_path)
     proc = rapidformer("--user-script", "examples/rapidformer_finetune_huggingface_bert_trainer.py",
                        "--task", "sequence_classification", "--pretrained-model-name-or-path", model,
-                       "--data-path", data, "--data-name", "mrpc", "--epochs", "2", "--micro-batch-size", "16",
+                       "--data-path", str(tmp_path / "glue"), "--data-name", "mrpc", "--epochs", "2",
+                       "--micro-batch-size", "16",
                        "--global-batch-size", "16", "--lr", "2e-5", "--lr-decay-style", "linear",
                        "--lr-warmup-iters", "100", "--weight-decay", "1e-2", "--clip-grad", "1.0",
                        "--mixed-precision", "--zero-3-memory-optimization", "--nproc-per-node", "2",
@@ -157,7 +162,8 @@ def test_howto_black_box_command_with_onnx_runtime(tmp_path):
         pytest.skip("the optional extra onnxruntime-training-cpu==1.19.2 is not installed")
     data, model = _pairs_and_model(tmp_path)
     proc = rapidformer("--task", "sequence_classification", "--pretrained-model-name-or-path", model,
-                       "--data-path", data, "--data-name", "mrpc", "--epochs", "2", "--micro-batch-size", "16",
+                       "--data-path", str(tmp_path / "glue"), "--data-name", "mrpc", "--epochs", "2",
+                       "--micro-batch-size", "16",
                        "--global-batch-size", "64", "--lr", "2e-5", "--lr-decay-style", "linear",
                        "--lr-warmup-iters", "100", "--weight-decay", "1e-2", "--clip-grad", "1.0", "--seed", "42",
                        "--mixed-precision", "--onnx-runtime-training", "--zero-1-memory-optimization",

@@ -39,20 +39,35 @@ COMPILE_MODES = ["default", "reduce-overhead", "max-autotune", "max-autotune-no-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="rapidformer", allow_abbrev=False, formatter_class=_HelpWithDefaults,
-        description="Fine-tune (and, with --task pretraining, pretrain) Transformers with switchable accelerations. "
-                    "Black box: name a model, a dataset and a task. White box: --user-script FILE with a "
-                    "Finetuner subclass.")
+        description="Fine-tune or pretrain Transformers with switchable accelerations; nothing is downloaded "
+                    "(models and data are local). Black-box fine-tuning: --task sequence_classification (or "
+                    "another fine-tuning task) with --pretrained-model-name-or-path DIR and --data-path DIR of "
+                    "train/validation files. Black-box pretraining: --task pretraining trains the Hugging Face "
+                    "model in --pretrained-model-name-or-path DIR (BERT-style: masked LM + next-sentence prediction; "
+                    "causal LMs: next token) for --train-iters iterations on a Megatron mmap corpus "
+                    "(--data-path PREFIX from tools/preprocess_data.py) with its --tokenizer-type and --vocab-file; "
+                    "shape flags (--num-layers, --hidden-size, ...) that differ from the directory's config start "
+                    "a model of that shape from new weights. White box: --user-script FILE with a Finetuner or "
+                    "PreTrainer subclass.")
     g = p.add_argument_group("launch")
-    g.add_argument("--task", choices=TASKS, help="what to train; `causal_lm` is accepted for the guide's `casual_lm`")
-    g.add_argument("--user-script", help="a white-box script (a Finetuner subclass) to run in every worker")
+    g.add_argument("--task", choices=TASKS, help="what to train. Fine-tuning a model directory on local files: "
+                   "sequence_classification, token_classification, question_answering, masked_lm, causal_lm "
+                   "(the guide's casual_lm), seq2seq_lm. pretraining: trains the model directory (its weights, "
+                   "or new weights of the shape flags' shape) on a Megatron mmap corpus; needs "
+                   "--pretrained-model-name-or-path, --data-path PREFIX, "
+                   "--tokenizer-type, --vocab-file and --train-iters")
+    g.add_argument("--user-script", help="a white-box script (a Finetuner or PreTrainer subclass) to run in every "
+                   "worker")
     g.add_argument("--nproc-per-node", type=int, help="workers on this node (default: one per visible GPU, "
                    "CUDA_VISIBLE_DEVICES; 1 on a machine without GPU)")
 
     g = p.add_argument_group("data")
     g.add_argument("--data-path", help="fine-tuning: a local directory of train/validation/test files (jsonl, json, "
-                   "csv, parquet), a save_to_disk directory, or a dataset name in the local Hugging Face cache")
+                   "csv, parquet), a save_to_disk directory, or a dataset name in the local Hugging Face cache; "
+                   "pretraining: the prefix of a Megatron mmap corpus (PREFIX.bin/.idx)")
     g.add_argument("--data-name", "--dataset-name", dest="data_name",
-                   help="the dataset's configuration (e.g. mrpc), or a subdirectory of --data-path")
+                   help="the dataset's configuration (e.g. mrpc): a subdirectory of --data-path (refused when "
+                        "there is none)")
     g.add_argument("--data-dir", help="where the fine-tuning files are, as datasets' data_dir")
     g.add_argument("--text-columns", nargs="+", help="the input text column(s); found by their usual names otherwise")
     g.add_argument("--label-column", help="the label column; found by its usual name otherwise")
@@ -80,23 +95,26 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: next to the data)")
 
     g = p.add_argument_group("model")
-    g.add_argument("--pretrained-model-name-or-path", help="a local Hugging Face model directory (or a name in "
-                   "the local cache)")
-    g.add_argument("--num-layers", type=int)
-    g.add_argument("--hidden-size", type=int)
-    g.add_argument("--num-attention-heads", type=int)
-    g.add_argument("--max-position-embeddings", type=int)
+    g.add_argument("--pretrained-model-name-or-path", help="a local Hugging Face model directory (or a name already "
+                   "in the local cache: nothing is downloaded)")
+    shape = ("Megatron models and --task pretraining: the model's shape; a Hugging Face model loaded as it is "
+             "must agree with its config (a difference is refused)")
+    g.add_argument("--num-layers", type=int, help=shape)
+    g.add_argument("--hidden-size", type=int, help=shape)
+    g.add_argument("--num-attention-heads", type=int, help=shape)
+    g.add_argument("--max-position-embeddings", type=int, help=shape)
     g.add_argument("--seq-length", type=int, help="fine-tuning: the longest tokenized input (default: the "
                    "model's maximum, at most 512)")
     g.add_argument("--num-experts", type=int)
-    g.add_argument("--ffn-hidden-size", type=int, help="Megatron models: MLP width (default 4 x hidden size)")
+    g.add_argument("--ffn-hidden-size", type=int, help="MLP width (default 4 x hidden size); " + shape)
     g.add_argument("--hidden-dropout", type=float, help="Megatron models (default 0.1)")
     g.add_argument("--attention-dropout", type=float, help="Megatron models (default 0.1)")
     g.add_argument("--init-method-std", type=float, help="Megatron models: std of the normal weight init (0.02)")
     g.add_argument("--make-vocab-size-divisible-by", type=int, help="Megatron models: pad the vocabulary (128)")
 
     g = p.add_argument_group("training")
-    g.add_argument("--save", help="where the fine-tuned model and tokenizer are saved (save_pretrained)")
+    g.add_argument("--save", help="where the trained model is saved (save_pretrained; fine-tuning: with its "
+                   "tokenizer; pretraining: also the checkpoints --load resumes from)")
     g.add_argument("--load", help="the weights a template loads (Hugging Face templates: defaults to "
                    "--pretrained-model-name-or-path)")
     g.add_argument("--lr", type=float, help="peak learning rate")
@@ -110,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
-    g.add_argument("--train-iters", type=int, help="optimizer steps (iteration-based run)")
+    g.add_argument("--train-iters", type=int, help="optimizer steps (iteration-based run; pretraining needs it)")
     g.add_argument("--epochs", type=int, help="passes over the training set (epoch-based fine-tuning)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=100, help="log a training line every N steps")

@@ -1,4 +1,5 @@
-"""The `rapidformer` console script: parse, check the front end's rules, start the workers."""
+"""The `rapidformer` console script: parse, check the front end's rules, the model and the data, start the
+workers."""
 from __future__ import annotations
 
 import sys
@@ -6,16 +7,22 @@ from typing import List, Optional
 
 from .arguments import UsageError, parse_args
 from .launch import nodes, run_workers, workers_per_node
+from .preflight import check_data, check_model, check_shapes, offline
 from .rules import check
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
+    offline()
     try:
+        # the model and the data first: neither check imports torch, so a mistake there is reported at once
+        check_model(args)
+        check_data(args)
         nproc = workers_per_node(args.nproc_per_node)
         check(args, world_size=nproc * nodes())
-    except (UsageError, ValueError) as e:
+        check_shapes(args)
+    except (UsageError, ValueError) as e:  # FinetuneDataError and the data checks' DataError are ValueErrors
         print(f"rapidformer: error: {e}", file=sys.stderr)
         return 2
     return run_workers(argv, nproc)

@@ -24,8 +24,8 @@ def _note(args: argparse.Namespace, text: str) -> None:
 def _check_launch(args: argparse.Namespace) -> None:
     if not args.task and not args.user_script:
         raise UsageError("give --task (one of sequence_classification, token_classification, question_answering, "
-                         "masked_lm, causal_lm, seq2seq_lm) for black-box fine-tuning, or --user-script FILE for "
-                         "your own Finetuner")
+                         "masked_lm, causal_lm, seq2seq_lm) for black-box fine-tuning, --task pretraining for "
+                         "black-box pretraining, or --user-script FILE for your own Finetuner or PreTrainer")
     if args.user_script and not os.path.isfile(args.user_script):
         raise UsageError(f"--user-script {args.user_script}: no such file")
     if args.task == "pretraining" and not args.user_script:
@@ -134,10 +134,10 @@ def _check_blackbox(args: argparse.Namespace) -> None:
 def check(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Apply the front end's rules to parsed flags for a run of `world_size` workers (see module docstring)."""
     _check_launch(args)
+    _check_blackbox(args)  # before the checks that import torch: a missing flag is reported at once
     _check_parallelism(args)
     _check_schedule(args, world_size)
     _check_compile(args)
-    _check_blackbox(args)
     if args.metrics_file is None and args.save:
         args.metrics_file = os.path.join(args.save, "metrics.jsonl")
     if args.tensorboard_dir is None and args.save:

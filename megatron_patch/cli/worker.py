@@ -10,12 +10,23 @@ from typing import List, Optional
 from megatron_patch.templates.globals import get_logger, set_args
 from megatron_patch.training.entry import destroy_process_groups
 
-from .arguments import parse_args
+from .arguments import UsageError, parse_args
+from .preflight import offline
 from .rules import check
+
+
+def _user_errors() -> tuple:
+    """The exceptions that mean a mistake in the flags or the data (their message names the fix), not a bug."""
+    from megatron_patch.config import ConfigError
+    from megatron_patch.data.checks import DataError
+    from megatron_patch.data.finetune_data import FinetuneDataError
+
+    return UsageError, ConfigError, DataError, FinetuneDataError
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    offline()
     args = check(parse_args(argv), world_size=int(os.environ.get("WORLD_SIZE", "1")))
     set_args(args)
     log = get_logger()
@@ -30,6 +41,11 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         run_task(args)
         return 0
+    except _user_errors() as e:
+        # every worker meets the same mistake: one line, from the first
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"rapidformer: error: {e}", file=sys.stderr)
+        return 2
     finally:
         destroy_process_groups()
 

@@ -6,9 +6,9 @@
   and optionally `test.*`, each `.jsonl`, `.json`, `.csv` or `.parquet`; sharded files such as
   `train-00000-of-00002.parquet` (the Hugging Face Hub's parquet layout) count too. The files may sit in
   the subdirectory `--data-name` (the configuration, e.g. `glue/mrpc/train.jsonl`), in `data/` (the
-  Hub's default layout) or in `--data-dir` (relative to `--data-path`, or an absolute path). A directory
-  without a `--data-name` subdirectory is used as it is, since the parameter guide makes --data-name
-  a required flag;
+  Hub's default layout) or in `--data-dir` (relative to `--data-path`, or an absolute path). A
+  `--data-name` must name something: a subdirectory, or the directory itself (`--data-path glue/mrpc
+  --data-name mrpc`); any other name is refused rather than ignored;
 * a directory written by `DatasetDict.save_to_disk` (or its subdirectory `--data-name`);
 * a dataset name already in the local Hugging Face cache (`glue` with `--data-name mrpc`), read with
   offline mode forced: nothing is ever downloaded.
@@ -17,6 +17,10 @@ Label names: a split directory may hold `label_names.json`, e.g. `{"label": ["ne
 `{"ner_tags": ["O", "B-CODE", ...]}`; the loader then turns those columns into `ClassLabel`
 (`List(ClassLabel)` for token tags), so `label_names()` returns the names and the stored values are the
 class ids. `task_corpora.write_task_dataset` writes this file.
+
+Bad files fail in one sentence naming the file and the position: an empty file, bytes that are not UTF-8
+(line), a JSON syntax error (line and column), a split without a column the task reads (the columns found,
+and the flag that names it: `find_task_columns`).
 """
 from __future__ import annotations
 
@@ -24,7 +28,7 @@ import contextlib
 import glob
 import json
 import os
-from typing import Iterator
+from typing import Iterator, Optional
 
 import datasets
 from datasets import ClassLabel, DatasetDict, Features
@@ -78,12 +82,16 @@ def load_finetune_dataset(data_path: str, data_name: str | None = None,
 
 
 def _load_local(base: str, data_name: str | None) -> DatasetDict:
-    # --data-name is a required flag in the parameter guide, so a directory that holds the files itself
-    # is accepted even when no subdirectory of that name exists.
     folder = base
     if data_name and os.path.isdir(os.path.join(base, data_name)):
         folder = os.path.join(base, data_name)
-    elif not _is_saved_dataset_dict(base) and "train" not in _split_files(base) \
+    elif data_name and os.path.basename(os.path.normpath(base)) != data_name:
+        # a name that selects nothing would silently train on whatever the directory holds
+        subdirs = sorted(d for d in _listing(base) if os.path.isdir(os.path.join(base, d)))
+        raise FinetuneDataError(
+            f"--data-name {data_name!r}: {base!r} has no subdirectory {data_name!r} (subdirectories: {subdirs}); "
+            f"give the configuration's subdirectory, or drop --data-name to use the files in {base!r} itself")
+    if folder == base and not _is_saved_dataset_dict(base) and "train" not in _split_files(base) \
             and os.path.isdir(os.path.join(base, "data")):
         folder = os.path.join(base, "data")  # the Hugging Face Hub's usual layout: data/train-*.parquet
     if _is_saved_dataset_dict(folder):
@@ -95,16 +103,27 @@ def _load_local(base: str, data_name: str | None) -> DatasetDict:
             raise FinetuneDataError(
                 f"--data-path {folder!r} holds a single saved Dataset without splits; save a DatasetDict "
                 f"with 'train' and 'validation' splits instead")
-        return _check_splits(_rename_splits(loaded, folder), folder)
+        dd = _check_splits(_rename_splits(loaded, folder), folder)
+        return _with_sources(dd, {split: f"{folder} (saved split {split!r})" for split in dd})
     files = _split_files(folder)
     if "train" not in files:
-        also = f" and no subdirectory --data-name {data_name!r}" if data_name and folder == base else ""
         raise FinetuneDataError(
-            f"--data-path: no train split in {folder!r}{also} (expected train.jsonl, train.json, train.csv or "
+            f"--data-path: no train split in {folder!r} (expected train.jsonl, train.json, train.csv or "
             f"train.parquet); files found: {_listing(folder)}. {FIX_HINT[0].upper()}{FIX_HINT[1:]}")
     loaded = _load_files(files, folder)
     loaded = _apply_label_names_file(loaded, folder)
-    return _check_splits(loaded, folder)
+    dd = _check_splits(loaded, folder)
+    return _with_sources(dd, {split: ", ".join(files[split]) for split in dd})
+
+
+def _with_sources(dd: DatasetDict, sources: dict[str, str]) -> DatasetDict:
+    dd.sources = sources  # what each split was read from, for messages (split_source)
+    return dd
+
+
+def split_source(dd: DatasetDict, split: str) -> str:
+    """The file(s) (or saved/cached dataset) a split of `load_finetune_dataset` was read from, for messages."""
+    return getattr(dd, "sources", {}).get(split, f"the {split} split")
 
 
 def _is_saved_dataset_dict(folder: str) -> bool:
@@ -132,6 +151,12 @@ def _split_files(folder: str) -> dict[str, list[str]]:
 
 
 def _load_files(files: dict[str, list[str]], folder: str) -> DatasetDict:
+    # Faults datasets/pyarrow report without a position (an empty file) or not at all (bytes that are not
+    # UTF-8 load, and fail later in tokenization) are looked for first; a file they cannot parse is then
+    # read again here to find the line.
+    for paths in files.values():
+        for path in paths:
+            _check_file(path)
     # One load_dataset call per file format: the json, csv and parquet builders each read one format.
     by_builder: dict[str, dict[str, list[str]]] = {}
     for split, paths in files.items():
@@ -139,14 +164,120 @@ def _load_files(files: dict[str, list[str]], folder: str) -> DatasetDict:
     out = DatasetDict()
     for builder, data_files in by_builder.items():
         try:
-            with offline_mode():
+            with offline_mode(), _quiet():
                 loaded = datasets.load_dataset(builder, data_files=data_files)
-        except Exception as e:  # a broken JSON line or CSV row: name the files, keep datasets' position
+        except Exception as e:
+            paths = [p for v in data_files.values() for p in v]
+            fault = next((f for f in map(_read_fault, paths) if f), None)
+            if fault:
+                raise FinetuneDataError(fault) from e
             raise FinetuneDataError(
-                f"--data-path {folder!r}: cannot read {sorted(os.path.basename(p) for v in data_files.values() for p in v)} "
-                f"as {builder}: {e}") from e
+                f"--data-path {folder!r}: cannot read {sorted(os.path.basename(p) for p in paths)} as {builder}: "
+                f"{_root_cause(e)}") from e
         out.update(loaded)
+    for split, paths in files.items():
+        if split in out and len(out[split]) == 0:  # a CSV header alone, a JSON `[]`
+            raise FinetuneDataError(f"{', '.join(paths)}: no rows (the {split} split is empty): add rows, or "
+                                    "remove the file if the split is optional (test)")
     return out
+
+
+_TEXT_FORMATS = (".jsonl", ".json", ".csv")
+_READ_CHUNK = 1 << 22  # bytes per UTF-8 check: whole lines, so a fault's line number is found in one chunk
+
+
+def _check_file(path: str) -> None:
+    """Raise FinetuneDataError for an empty split file, or for bytes that are not UTF-8 (file and line)."""
+    if os.path.getsize(path) == 0:
+        raise FinetuneDataError(f"{path} is empty (no rows): add rows, or remove the file if the split is "
+                                "optional (test)")
+    if not path.endswith(_TEXT_FORMATS):
+        return
+    blank, line = True, 1  # line: the number of the first line of the chunk
+    with open(path, "rb") as f:
+        while True:
+            chunk = f.read(_READ_CHUNK)
+            if not chunk:
+                break
+            chunk += f.readline()  # end on a line boundary
+            try:
+                text = chunk.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise FinetuneDataError(_utf8_fault(path, chunk, e.start, e.end, line)) from None
+            blank = blank and not text.strip()
+            line += chunk.count(b"\n")
+    if blank:
+        raise FinetuneDataError(f"{path} holds only blank lines (no rows): add rows, or remove the file if the "
+                                "split is optional (test)")
+
+
+def _utf8_fault(path: str, chunk: bytes, offset: int, end: int, first_line: int) -> str:
+    start = chunk.rfind(b"\n", 0, offset) + 1
+    line = first_line + chunk.count(b"\n", 0, offset)
+    return (f"{path}, line {line}: bytes that are not UTF-8 ({chunk[offset:end]!r} at byte {offset - start + 1} "
+            "of the line); save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8 FILE)")
+
+
+def _read_fault(path: str) -> Optional[str]:
+    """Why datasets could not read a text split file, as 'FILE...: ...', or None when no fault is found here."""
+    if path.endswith(".csv"):
+        with open(path, encoding="utf-8") as f:
+            rows = sum(1 for line in f if line.strip())
+        return f"{path}: a header but no rows: add rows, or remove the file if the split is optional (test)" \
+            if rows <= 1 else None
+    return _json_fault(path) if path.endswith((".json", ".jsonl")) else None
+
+
+def _json_fault(path: str) -> Optional[str]:
+    """The first JSON syntax error of a .json/.jsonl file as 'FILE, line N: ...', or None if it parses."""
+    with open(path, encoding="utf-8") as f:
+        if path.endswith(".json"):  # one JSON document, or JSON Lines under a .json name
+            text = f.read()
+            try:
+                document = json.loads(text)
+                return f"{path}: no rows (an empty JSON document): add rows" if not document else None
+            except json.JSONDecodeError as whole:
+                first = next((ln for ln in text.split("\n") if ln.strip()), "")
+                try:
+                    json.loads(first)
+                except json.JSONDecodeError:  # not JSON Lines either: the document's own position
+                    return f"{path}, line {whole.lineno}: not valid JSON ({whole.msg}, column {whole.colno})"
+            lines = text.split("\n")
+        else:
+            lines = f
+        for number, line in enumerate(lines, 1):
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line.rstrip("\r\n"))  # a column past the end is then reported on this line
+            except json.JSONDecodeError as e:
+                return (f"{path}, line {number}: not valid JSON ({e.msg}, column {e.colno}); each line of a JSON "
+                        "Lines file is one object {...}")
+            if not isinstance(value, dict):
+                return (f"{path}, line {number}: a JSON {type(value).__name__} where an object {{...}} (one row) "
+                        "is expected")
+    return None
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """datasets' own error log lines off while it reads files: a fault is reported once, by our message."""
+    from datasets.utils import logging as ds_logging
+
+    level = ds_logging.get_verbosity()
+    ds_logging.set_verbosity(ds_logging.CRITICAL)
+    try:
+        yield
+    finally:
+        ds_logging.set_verbosity(level)
+
+
+def _root_cause(e: BaseException) -> str:
+    """The innermost cause's message, on one line (datasets wraps the parser's error in its own)."""
+    while e.__cause__ is not None or e.__context__ is not None:
+        e = e.__cause__ or e.__context__
+    text = " ".join(str(e).split())
+    return f"{type(e).__name__}: {text[:300]}" if text else type(e).__name__
 
 
 def _load_cached(name: str, data_name: str | None, data_dir: str | None) -> DatasetDict:
@@ -164,7 +295,9 @@ def _load_cached(name: str, data_name: str | None, data_dir: str | None) -> Data
             f"(offline). Instead, {FIX_HINT}.") from e
     if not isinstance(loaded, DatasetDict):
         loaded = DatasetDict({"train": loaded})
-    return _check_splits(_rename_splits(loaded, name), f"{name}" + (f"/{data_name}" if data_name else ""))
+    where = f"{name}" + (f"/{data_name}" if data_name else "")
+    dd = _check_splits(_rename_splits(loaded, name), where)
+    return _with_sources(dd, {split: f"{where} (cached, split {split!r})" for split in dd})
 
 
 def _hub_snapshot(name: str) -> str | None:
@@ -215,6 +348,9 @@ def _rename_splits(dd: DatasetDict, where: str) -> DatasetDict:
 def _check_splits(dd: DatasetDict, where: str) -> DatasetDict:
     if "train" not in dd:
         raise FinetuneDataError(f"--data-path {where!r}: no train split (splits found: {sorted(dd)})")
+    empty = sorted(k for k in ("train", "validation", "test") if k in dd and len(dd[k]) == 0)
+    if empty:
+        raise FinetuneDataError(f"--data-path {where!r}: the {' and '.join(empty)} split has no rows")
     if "validation" not in dd:
         raise FinetuneDataError(
             f"--data-path {where!r}: no validation split (splits found: {sorted(dd)}). Evaluation needs one: "
@@ -335,7 +471,7 @@ _SEQ2SEQ = (("source", "target"), ("document", "summary"), ("article", "highligh
 
 
 def find_columns(task: str, column_names: list[str], text_columns: list[str] | None = None,
-                 label_column: str | None = None) -> dict:
+                 label_column: str | None = None, source: str | None = None) -> dict:
     """The columns a task reads, found by their usual names; `--text-columns/--label-column` override.
 
     Returns, by task:
@@ -346,24 +482,27 @@ def find_columns(task: str, column_names: list[str], text_columns: list[str] | N
       masked_lm, casual_lm, causal_lm  {"text": name}
       seq2seq_lm               {"source": name, "target": name}    (text_columns = [source] or [source, target],
                                                                      label_column = target)
-    Raises FinetuneDataError naming the task, the columns present and the flags to pass.
+    Raises FinetuneDataError naming the task, the columns present and the flags to pass (and `source`, the
+    file the columns come from, when given).
     """
     if task not in TASKS:
         raise FinetuneDataError(f"--task {task!r} has no fine-tuning columns; choose one of {list(TASKS)}")
     cols = list(column_names)
+    where = f"{source}: " if source else ""
     for name in text_columns or []:
         if name not in cols:
-            raise FinetuneDataError(f"--text-columns: column {name!r} does not exist; columns available: {cols}")
+            raise FinetuneDataError(f"{where}--text-columns: column {name!r} does not exist; columns found: {cols}")
     if label_column is not None and label_column not in cols:
-        raise FinetuneDataError(f"--label-column: column {label_column!r} does not exist; columns available: {cols}")
+        raise FinetuneDataError(f"{where}--label-column: column {label_column!r} does not exist; columns found: "
+                                f"{cols}")
     text = list(text_columns or [])
 
     def first(candidates, what: str, flag: str) -> str:
         for c in candidates:
             if c in cols:
                 return c
-        raise FinetuneDataError(
-            f"--task {task}: no {what} column among {cols} (looked for {list(candidates)}); name it with {flag}")
+        raise FinetuneDataError(f"{where}--task {task}: no {what} column; columns found: {cols} (looked for "
+                                f"{list(candidates)}); name it with {flag}")
 
     def at_most(n: int, meaning: str) -> None:
         if len(text) > n:
@@ -408,3 +547,39 @@ def find_columns(task: str, column_names: list[str], text_columns: list[str] | N
     # masked_lm, casual_lm (the parameter guide's spelling), causal_lm
     at_most(1, "the text column")
     return {"text": text[0] if text else first(_LM_TEXT, "text", "--text-columns")}
+
+
+# the flag that names each column a task reads (find_columns' keys)
+_FLAG_OF_ROLE = {"text": "--text-columns", "tokens": "--text-columns", "question": "--text-columns",
+                 "context": "--text-columns", "source": "--text-columns", "label": "--label-column",
+                 "tags": "--label-column", "answers": "--label-column", "target": "--label-column"}
+
+
+def _present(ds, name: str) -> bool:
+    """A column the split's file really has: datasets gives every split the columns of all the files it reads
+    together, filling those a file lacks with nulls (a null count from the Arrow table, no data read)."""
+    return name in ds.column_names and (len(ds) == 0 or ds.data.column(name).null_count < len(ds))
+
+
+def find_task_columns(task: str, dataset_dict: DatasetDict, text_columns: list[str] | None = None,
+                      label_column: str | None = None) -> dict:
+    """`find_columns` on the train split of `load_finetune_dataset`, then every split checked to hold those
+    columns; errors name the file a split was read from (`split_source`), the columns found and the flag.
+    A sequence_classification test split without labels is left to the task (it is not evaluated)."""
+    def found(ds) -> list[str]:
+        return [c for c in ds.column_names if _present(ds, c)]
+
+    columns = find_columns(task, found(dataset_dict["train"]), text_columns, label_column,
+                           source=split_source(dataset_dict, "train"))
+    for split, ds in dataset_dict.items():
+        for role, value in columns.items():
+            if split == "test" and role == "label" and task == "sequence_classification":
+                continue
+            for name in (value if isinstance(value, list) else [value]):
+                if not _present(ds, name):
+                    raise FinetuneDataError(
+                        f"{split_source(dataset_dict, split)}: no {name!r} column ({role} for --task {task}, as in "
+                        f"the train split); columns found: {found(ds)}. Rename the column, or name it with "
+                        f"{_FLAG_OF_ROLE[role]} if every split has it" + ("; the test split is optional: remove its "
+                                                                          "file" if split == "test" else ""))
+    return columns

@@ -22,6 +22,7 @@ from .globals import get_logger
 from .reporting import MetricsReporter
 from .saving import save_pretrained
 from .schedule import build_scheduler
+from .shape_flags import check_shape_flags
 
 
 class Finetuner:
@@ -79,6 +80,7 @@ class Finetuner:
         from megatron_patch.accelerations import accelerate
 
         model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
+        check_shape_flags(self.args, model, "model_optimizer_lr_scheduler_provider()")
         acc = accelerate(model.to(self.device), self.args, self.device, optimizer)
         for line in acc.applied:
             get_logger().info(f"acceleration: {line}")
@@ -126,9 +128,9 @@ class Finetuner:
         total = min(args.train_iters or epochs * steps_per_epoch, epochs * steps_per_epoch)
         if scheduler is None:
             scheduler = build_scheduler(args, optimizer, total)
-        log.info(f"training: {len(train_ds)} samples, {epochs} epoch(s), {total} optimizer steps of "
-                 f"{args.global_batch_size} samples ({args.micro_batch_size} per worker x "
-                 f"{self.engine.world_size} worker(s) x {accum} accumulation)")
+        log.info(f"training: {len(train_ds)} samples; {training_span(args.train_iters, epochs, steps_per_epoch)}; "
+                 f"each step {args.global_batch_size} samples "
+                 f"({args.micro_batch_size} per worker x {self.engine.world_size} worker(s) x {accum} accumulation)")
         reporter = MetricsReporter(args, self.engine.rank)
         if args.eval_at_start and valid_loader is not None:
             reporter.evaluation(0, 0, "validation", self.evaluate(valid_loader, model))
@@ -174,6 +176,15 @@ class Finetuner:
 
     def after_training(self, model, test_ds, collate_fn, reporter, epoch: int, step: int) -> None:
         """Called once training ends, before saving; the black-box tasks evaluate a labelled test split here."""
+
+
+def training_span(train_iters: Optional[int], epochs: int, steps_per_epoch: int) -> str:
+    """How long a fine-tuning run is, in its own unit: optimizer steps when --train-iters ends it (the loop may stop
+    inside an epoch: a fraction), else whole epochs."""
+    if train_iters is not None and train_iters <= epochs * steps_per_epoch:
+        return (f"{train_iters} optimizer steps (--train-iters {train_iters}) = {train_iters / steps_per_epoch:.3g} "
+                f"epoch(s) of {steps_per_epoch} steps")
+    return f"{epochs} epoch(s) of {steps_per_epoch} steps = {epochs * steps_per_epoch} optimizer steps"
 
 
 def no_sync(model: torch.nn.Module, sync: bool):

@@ -276,7 +276,8 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
         start = load_checkpoint(args.load, model, optimizer, scheduler, precision)
         log.info(f"resumed from {args.load} at iteration {start}")
     log.info(f"training: {cfg.train_iters} iterations of {cfg.global_batch_size} samples ({cfg.micro_batch_size} per "
-             f"worker x {world} worker(s) x {accum} accumulation), {len(train_ds)} training samples")
+             f"worker x {world} worker(s) x {accum} accumulation): {cfg.train_iters * cfg.global_batch_size} of the "
+             f"training dataset's {len(train_ds)} samples")
     # the engine's iterators: Megatron's batch order over data-parallel ranks (here every worker), from `consumed`
     train_iter = build_iterator(train_ds, cfg, start * cfg.global_batch_size, cycle=False)
     valid_iter = build_iterator(valid_ds, cfg, 0, cycle=True) if cfg.eval_iters > 0 else None

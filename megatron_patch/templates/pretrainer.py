@@ -65,9 +65,9 @@ class PreTrainer:
         if args.save is None:
             log.info("--save not given: no checkpoints are written")
         counts = sample_counts(base)
-        log.info(f"samples: train {counts[0]}, validation {counts[1]}, test {counts[2]} "
-                 f"({base.train_iters} iterations of {base.global_batch_size}; evaluation every "
-                 f"{base.eval_interval} iterations on {base.eval_iters} batches)")
+        log.info(f"samples to draw: train {counts[0]} ({base.train_iters} iterations of {base.global_batch_size}), "
+                 f"validation {counts[1]}, test {counts[2]} (evaluation every {base.eval_interval} iterations on "
+                 f"{base.eval_iters} batches); the datasets may hold more: whole passes over each split")
         train_ds, valid_ds, test_ds = self.train_valid_test_datasets_provider(list(counts))
         if train_ds is None:
             raise ValueError("train_valid_test_datasets_provider() returned no training dataset: check --split "
@@ -82,6 +82,8 @@ class PreTrainer:
             log.info("model: a megatron-core model: training with the engine (TP/PP schedules, ZeRO, recompute)")
             return pretrain_megatron.run(self, cfg, (train_ds, valid_ds, test_ds), model)
         from . import pretrain_hf
+        from .shape_flags import check_shape_flags
 
+        check_shape_flags(args, model, "model_optimizer_lr_scheduler_provider()")
         return pretrain_hf.run(self, base, (train_ds, valid_ds, test_ds), model, optimizer, scheduler)
 

@@ -8,7 +8,7 @@ from typing import Dict, List
 
 import torch
 
-from megatron_patch.data.finetune_data import find_columns, load_finetune_dataset
+from megatron_patch.data.finetune_data import find_task_columns, load_finetune_dataset
 from megatron_patch.templates.finetuner import Finetuner
 from megatron_patch.templates.globals import get_logger
 
@@ -33,8 +33,7 @@ class BlackBoxFinetuner(Finetuner):
         self.tokenizer = AutoTokenizer.from_pretrained(args.pretrained_model_name_or_path)
         self.max_length = args.seq_length or min(self.tokenizer.model_max_length or MAX_LENGTH_CAP, MAX_LENGTH_CAP)
         self.datasets = load_finetune_dataset(args.data_path, args.data_name, args.data_dir)
-        self.columns = find_columns(args.task, self.datasets["train"].column_names, args.text_columns,
-                                    args.label_column)
+        self.columns = find_task_columns(args.task, self.datasets, args.text_columns, args.label_column)
         get_logger().info(f"data: {', '.join(f'{k} {len(v)}' for k, v in self.datasets.items())} samples from "
                           f"{args.data_path}; columns {self.columns}")
 

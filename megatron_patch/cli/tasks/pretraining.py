@@ -4,9 +4,9 @@ The model directory (--pretrained-model-name-or-path) says what is trained: a BE
 next-sentence head, e.g. BertForPreTraining) learns masked LM + next-sentence prediction on sentence data
 (`tools/preprocess_data.py --split-sentences`, the `_text_sentence` prefix); a causal LM (GPT-2, Llama, ...)
 learns next-token prediction on document data (the `_text_document` prefix). The shape flags (--num-layers,
---hidden-size, --num-attention-heads, --max-position-embeddings) either match the directory's config, and
-training starts from its weights, or they differ, and a model of the flags' shape starts from new weights;
-the log says which. The trained model is written with `save_pretrained` to --save.
+--hidden-size, --num-attention-heads, --max-position-embeddings, --ffn-hidden-size) either match the directory's
+config, and training starts from its weights, or they differ, and a model of the flags' shape starts from new
+weights; the log says which. The trained model is written with `save_pretrained` to --save.
 """
 from __future__ import annotations
 
@@ -15,20 +15,10 @@ from typing import Dict, Tuple
 
 import torch
 
+from megatron_patch.cli.arguments import UsageError
 from megatron_patch.templates.globals import get_logger
 from megatron_patch.templates.pretrainer import PreTrainer
-
-# rapidformer shape flag -> the Hugging Face config attribute(s) it sets, by config family
-_SHAPE = {"num_layers": ("num_hidden_layers", "n_layer"), "hidden_size": ("hidden_size", "n_embd"),
-          "num_attention_heads": ("num_attention_heads", "n_head"),
-          "max_position_embeddings": ("max_position_embeddings", "n_positions")}
-
-
-def _attr(config, names) -> Tuple[str, int]:
-    for name in names:
-        if hasattr(config, name):
-            return name, getattr(config, name)
-    return names[0], None
+from megatron_patch.templates.shape_flags import mismatches
 
 
 def model_kind(config) -> str:
@@ -50,11 +40,11 @@ def shaped_config(args: argparse.Namespace, config, vocab_size: int) -> Tuple[ob
     """The directory's config with the shape flags applied; returns it and {attribute: (directory, flags)} for
     every attribute that changed (empty: the directory's weights fit)."""
     changes = {}
-    for flag, names in _SHAPE.items():
-        value = getattr(args, flag, None)
-        name, current = _attr(config, names)
-        if value is not None and current is not None and value != current:
-            changes[name] = (current, value)
+    for flag, (name, current, value) in mismatches(args, config).items():
+        if current is None:  # e.g. --ffn-hidden-size for a config without an MLP width: it cannot act
+            raise UsageError(f"--{flag.replace('_', '-')} {value}: the {config.model_type} config in "
+                             f"{args.pretrained_model_name_or_path} has no {name}; drop the flag")
+        changes[name] = (current, value)
     if getattr(config, "vocab_size", None) is not None and vocab_size > config.vocab_size:
         changes["vocab_size"] = (config.vocab_size, vocab_size)
     if not changes:
@@ -62,10 +52,11 @@ def shaped_config(args: argparse.Namespace, config, vocab_size: int) -> Tuple[ob
     config = type(config).from_dict(config.to_dict())
     for name, (_, new) in changes.items():
         setattr(config, name, new)
-    if "hidden_size" in changes and hasattr(config, "intermediate_size"):
-        config.intermediate_size = 4 * config.hidden_size
-    if "n_embd" in changes and hasattr(config, "n_inner"):
-        config.n_inner = None
+    if args.ffn_hidden_size is None:  # a new width without a new MLP width: the usual 4 x hidden size
+        if "hidden_size" in changes and hasattr(config, "intermediate_size"):
+            config.intermediate_size = 4 * config.hidden_size
+        if "hidden_size" in changes and hasattr(config, "n_inner"):
+            config.n_inner = None
     return config, changes
 
 
