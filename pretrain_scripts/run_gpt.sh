@@ -11,7 +11,9 @@
 # computed here, where a later flag could contradict them, but in Python from the final flags.
 # Before torchrun starts, the whole configuration and the data are checked once for GPUS x NNODES
 # processes (pretrain_megatron_gpt.py --validate-only): a mistake is one `configuration error: ...`
-# line and exit status 2. With --validate-only among the arguments, the launcher stops after that check.
+# line and exit status 2 (a --save directory that holds another run's checkpoints included: resume them with
+# --load, or set OUTPUT). With --validate-only among the arguments, the launcher stops after that check.
+# Everything the job prints also goes to OUTPUT/logs/run_gpt_<date>_<time>.log (the path is printed first).
 # The settings shared with run_bert.sh (GPUS, TP, PP, ZERO, SEQ_LEN, MBS, GBS, TRAIN_ITERS, LR, MIN_LR,
 # WARMUP, LOG_INTERVAL, EVAL_INTERVAL, SAVE_INTERVAL, PRECISION, NNODES, ...) are in launcher.sh.
 set -euo pipefail

@@ -30,7 +30,8 @@ def layout(cfg: Config) -> Dict[str, int]:
     out = {"tp": cfg.tensor_model_parallel_size, "pp": cfg.pipeline_model_parallel_size,
            "dp": cfg.data_parallel_size, "vpp": cfg.virtual_pipeline_model_parallel_size or 1, "zero": zero}
     if cfg.num_experts:  # expert layout (absent: a dense model, or EP 1 / ETP TP)
-        out.update(ep=cfg.expert_model_parallel_size, etp=cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size)
+        out.update(ep=cfg.expert_model_parallel_size,
+                   etp=cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size)
     return out
 
 
@@ -186,8 +187,8 @@ def check_resume(cfg: Config) -> None:
     """validate()'s checks of --load / --save and the scheduler flags against the checkpoints on disk."""
     override, keep = cfg.override_opt_param_scheduler, cfg.use_checkpoint_opt_param_scheduler
     if override and keep:
-        raise ConfigError("--override-opt-param-scheduler takes this run's schedule, --use-checkpoint-opt-param-scheduler "
-                          "the checkpoint's: pass only one")
+        raise ConfigError("--override-opt-param-scheduler takes this run's schedule, "
+                          "--use-checkpoint-opt-param-scheduler the checkpoint's: pass only one")
     if (override or keep) and (not cfg.load or cfg.no_load_optim):
         flag = "--override-opt-param-scheduler" if override else "--use-checkpoint-opt-param-scheduler"
         why = "--no-load-optim loads no schedule" if cfg.load else "it applies when resuming with --load"

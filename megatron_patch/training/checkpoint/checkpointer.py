@@ -133,8 +133,8 @@ class Checkpointer:
             raise CheckpointError(f"{path} is a ZeRO-2 checkpoint of layout {saved}; it loads only into the same "
                                   f"layout (this run: {mine}). Resume with the same TP/PP/DP and ZeRO-2.")
         restore = restores(manifest, self.cfg)
-        model_only, same_model_layout, optimizer_fits = restore.model_only, restore.same_model_layout, restore.optimizer_fits
-        load_optimizer = restore.optimizer
+        model_only, same_model_layout = restore.model_only, restore.same_model_layout
+        optimizer_fits, load_optimizer = restore.optimizer_fits, restore.optimizer
         refusal = check_schedule(self.cfg, manifest, path)  # validate() refused it already; a caller may not validate
         if refusal:
             raise CheckpointError(refusal)
