@@ -7,7 +7,8 @@
 #   common_args          appends their flags to ARGS
 #   launch SCRIPT        checks the whole configuration once (SCRIPT --validate-only for GPUS x NNODES
 #                        processes: a mistake is one `configuration error: ...` line and exit status 2), then
-#                        execs torchrun SCRIPT "${ARGS[@]}"
+#                        execs torchrun SCRIPT "${ARGS[@]}", its output also written to
+#                        $OUTPUT/logs/<launcher>_<date>_<time>.log (the path is printed first)
 source "$ROOT/pretrain_scripts/resolve_python.sh"  # PY: $PY, else .venv, else python3; PYTHONUNBUFFERED=1
 
 given() {
@@ -25,6 +26,7 @@ flag_value() {
     [[ ${EXTRA[i]} == "$1="* ]] && { echo "${EXTRA[i]#*=}"; return; }
     [[ ${EXTRA[i]} == "$1" ]] && { echo "${EXTRA[i + 1]:-}"; return; }
   done
+  return 0  # not given: empty, and no failure for `set -e`
 }
 
 HAS_GPU=0
@@ -95,13 +97,21 @@ common_args() {
 }
 
 launch() {
-  local script=$1
+  local script=$1 check rc=0 log
   mkdir -p "$OUTPUT"
   export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$([ "$HAS_GPU" = 1 ] && echo 8 || echo 1)}
-  # One check for the whole job, here, before any worker starts: exits 2 with the reason on a mistake.
-  env -u RANK -u LOCAL_RANK WORLD_SIZE=$((GPUS * NNODES)) "$PY" "$script" "${ARGS[@]}" --validate-only >&2
-  echo "$(basename "$0"): ${NNODES} node(s) x ${GPUS} process(es), log in $OUTPUT" >&2
+  # One check for the whole job, here, before any worker starts: exits 2 with the reason on a mistake (a --save
+  # directory holding another run's checkpoints included). Nothing is written for a refused run.
+  check=$(env -u RANK -u LOCAL_RANK WORLD_SIZE=$((GPUS * NNODES)) "$PY" "$script" "${ARGS[@]}" --validate-only 2>&1) || rc=$?
+  printf '%s\n' "$check" >&2
+  [ "$rc" = 0 ] || exit "$rc"
   given --validate-only && exit 0
+  # The job's log: everything it prints (stdout and stderr, each also to where it goes now), one file per launch.
+  log=$OUTPUT/logs/$(basename "$0" .sh)_$(date +%Y%m%d_%H%M%S).log
+  mkdir -p "$OUTPUT/logs"
+  printf '%s\n' "$check" >> "$log"
+  echo "$(basename "$0"): ${NNODES} node(s) x ${GPUS} process(es), log in $log" | tee -a "$log" >&2
+  exec > >(tee -a "$log") 2> >(tee -a "$log" >&2)
   exec "$PY" -m torch.distributed.run --nproc-per-node "$GPUS" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
     --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" "$script" "${ARGS[@]}"
 }

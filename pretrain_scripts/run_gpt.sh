@@ -11,7 +11,9 @@
 # computed here, where a later flag could contradict them, but in Python from the final flags.
 # Before torchrun starts, the whole configuration and the data are checked once for GPUS x NNODES
 # processes (pretrain_megatron_gpt.py --validate-only): a mistake is one `configuration error: ...`
-# line and exit status 2. With --validate-only among the arguments, the launcher stops after that check.
+# line and exit status 2 (a --save directory that holds another run's checkpoints included: resume them with
+# --load, or set OUTPUT). With --validate-only among the arguments, the launcher stops after that check.
+# Everything the job prints also goes to OUTPUT/logs/run_gpt_<date>_<time>.log (the path is printed first).
 # The settings shared with run_bert.sh (GPUS, TP, PP, ZERO, SEQ_LEN, MBS, GBS, TRAIN_ITERS, LR, MIN_LR,
 # WARMUP, LOG_INTERVAL, EVAL_INTERVAL, SAVE_INTERVAL, PRECISION, NNODES, ...) are in launcher.sh.
 set -euo pipefail
@@ -22,12 +24,26 @@ source "$ROOT/pretrain_scripts/launcher.sh"
 MODEL_FAMILY=${MODEL_FAMILY:-gpt}        # gpt | llama | qwen2 | mistral | mixtral | qwen2_moe
 MODEL_SIZE=${MODEL_SIZE:-tiny}           # tiny | 125m | 350m | 1.3b | ... (see --help)
 HF_MODEL=${HF_MODEL:-}                   # a Hugging Face model directory to start from (instead of MODEL_FAMILY/SIZE)
-OUTPUT=${OUTPUT:-$ROOT/work_dirs/$([ -n "$HF_MODEL" ] && basename "$HF_MODEL" || echo "${MODEL_FAMILY}_${MODEL_SIZE}")}
+# Where the run writes (checkpoints in OUTPUT/checkpoints, metrics, tensorboard, logs). A --save directory that
+# holds another run's checkpoints is refused before launch; resuming with --load DIR/checkpoints of a launcher
+# run writes back into DIR (the run continues in place), starting from another checkpoint names OUTPUT after it.
+LOAD=$(flag_value --load)
+if [ -z "${OUTPUT:-}" ]; then
+  if [ -n "$HF_MODEL" ]; then
+    OUTPUT=$ROOT/work_dirs/$(basename "$HF_MODEL")
+  elif [ -n "$LOAD" ] && [ "$(basename "$LOAD")" = checkpoints ]; then
+    OUTPUT=$(dirname "$LOAD")
+  elif [ -n "$LOAD" ]; then
+    OUTPUT=$ROOT/work_dirs/$(basename "$LOAD")
+  else
+    OUTPUT=$ROOT/work_dirs/${MODEL_FAMILY}_${MODEL_SIZE}
+  fi
+fi
 SAVE=${SAVE:-$OUTPUT/checkpoints}
 
 if [ -n "${HF_MODEL:-}" ]; then  # a Hugging Face model: architecture and weights from it
   ARGS=(--load-hf "$HF_MODEL")
-elif [ -f "$(flag_value --load)/latest_checkpointed_iteration.txt" ]; then
+elif [ -f "$LOAD/latest_checkpointed_iteration.txt" ]; then
   ARGS=()  # resuming, or starting from a converted checkpoint: the architecture is stored there
 else
   ARGS=(--model-family "$MODEL_FAMILY" --model-size "$MODEL_SIZE")

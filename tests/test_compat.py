@@ -277,3 +277,13 @@ def test_global_patches_in_a_fresh_process(tmp_path):
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(SCRIPT), str(tmp_path / "store")],
                           capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("OK"), proc.stdout[-3000:] + proc.stderr[-5000:]
+
+
+def test_set_param_group_lr_range_of_each_chained_member():
+    """Every group of every member takes the range (megatron-core pairs saved groups with these by it)."""
+    members = [types.SimpleNamespace(param_groups=[{"max_lr": 1e-4, "min_lr": 0.0, "wd_mult": w} for w in (0.0, 1.0)])
+               for _ in range(2)]
+    chained = types.SimpleNamespace(param_groups=[g for m in members for g in m.param_groups])
+    compat_optimizer.set_param_group_lr_range(chained, 2e-4, 1e-5)
+    assert [(g["max_lr"], g["min_lr"], g["wd_mult"]) for m in members for g in m.param_groups] == \
+        [(2e-4, 1e-5, 0.0), (2e-4, 1e-5, 1.0)] * 2

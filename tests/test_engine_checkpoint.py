@@ -2,6 +2,7 @@
 half-written or corrupt checkpoint is never loaded, weights move to other layouts, and loading a
 checkpoint cannot run code."""
 import json
+import math
 import os
 import shutil
 import signal
@@ -26,9 +27,9 @@ def valid_losses(lines):
 def resume_from(src, iteration, dst):
     """A copy of checkpoint directory `src` as it stood after saving `iteration`."""
     shutil.copytree(src, dst)
-    for name in os.listdir(dst):
-        if name.startswith("iter_") and int(name[5:12]) > iteration:
-            shutil.rmtree(dst / name)
+    for path in dst.iterdir():  # iter_N/ and full_weights()'s iter_N.pt beside it
+        if path.name.startswith("iter_") and int(path.name[5:12]) > iteration:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
     (dst / "latest_checkpointed_iteration.txt").write_text(str(iteration))
     return dst
 
@@ -247,3 +248,167 @@ def test_evaluations_walk_through_the_validation_set(tmp_path):
     lines, _ = run_engine(tmp_path, 1, "--lr", "0", "--train-iters", "3", "--eval-interval", "1", "--eval-iters", "1")
     losses = valid_losses(lines)
     assert len(losses) == 3 and len(set(losses)) == 3, losses
+
+
+# ---------------------------------------------------------------- resume semantics (Megatron-LM's rules)
+# The `single` run's schedule: lr 1e-4, linear decay over its --train-iters 10 (80 samples of global batch 8) to
+# --min-lr 0, no warmup, --weight-decay 0.01; its checkpoints are at iterations 6, 8 and 10.
+
+def refusal(*argv: str, world: int = 1) -> str:
+    """The configuration error validate() gives these flags (before any process starts), '' when it accepts them."""
+    from megatron_patch.config import ConfigError, parse_args
+
+    try:
+        parse_args([*TINY, *TEN, *argv]).validate(world)
+    except ConfigError as e:
+        return str(e)
+    return ""
+
+
+SCHEDULE_CHANGES = {  # flags -> what the refusal says about them (the checkpoint's value, this run's, the flag)
+    "train_iters": (["--train-iters", "20"],
+                    "lr decay over 10 iterations in the checkpoint, 20 here: --train-iters 20 (--lr-decay-iters defaults to it)"),
+    "lr": (["--lr", "2e-4"], "--lr 0.0001 in the checkpoint, 0.0002 here"),
+    "min_lr": (["--min-lr", "1e-5"], "--min-lr 0 in the checkpoint, 1e-05 here"),
+    "decay_iters": (["--lr-decay-iters", "20"], "lr decay over 10 iterations in the checkpoint, 20 here: --lr-decay-iters 20"),
+    "decay_style": (["--lr-decay-style", "cosine"], "--lr-decay-style linear in the checkpoint, cosine here"),
+    "warmup_iters": (["--lr-warmup-iters", "2"], "warmup 0 iterations in the checkpoint, 2 here: --lr-warmup-iters 2"),
+    "warmup_fraction": (["--lr-warmup-fraction", "0.3"],
+                        "warmup 0 iterations in the checkpoint, 3 here: --lr-warmup-fraction 0.3 of the decay"),
+    "weight_decay": (["--weight-decay", "0.1"], "--weight-decay 0.01 in the checkpoint, 0.1 here"),
+    # the schedule counts samples: the same iterations of a larger global batch decay over more samples
+    "global_batch": (["--global-batch-size", "16"],
+                     "lr decay over 10 iterations of 8 samples in the checkpoint, of 16 samples here: --global-batch-size 16"),
+    # the scheduler's fields agree, but the decay ended where the checkpoint's run did: 11-20 would train at lr 0
+    "past_decay": (["--train-iters", "20", "--lr-decay-iters", "10"],
+                   "--train-iters 20 runs past the end of the checkpoint's lr decay (iteration 10, where its run of "
+                   "--train-iters 10 ended): iterations 11-20 would train at --min-lr 0"),
+}
+
+
+@pytest.mark.parametrize("change", list(SCHEDULE_CHANGES))
+def test_resume_refuses_a_changed_schedule(single, change):
+    """Each schedule flag that differs from the checkpoint's is refused in one line naming both values and the
+    flag; --override-opt-param-scheduler and --use-checkpoint-opt-param-scheduler each accept it. (In-process
+    validate(): milliseconds.)"""
+    d, _, _ = single
+    flags, says = SCHEDULE_CHANGES[change]
+    longer = " and --lr-decay-iters 20" if change == "past_decay" else ""
+    assert refusal("--load", str(d / "ck"), *flags) == (
+        f"--load {d / 'ck'} (iteration 10) continues a learning-rate schedule that this run's flags change: {says}. "
+        f"Pass --override-opt-param-scheduler{longer} to continue from iteration 10 with this run's schedule, or "
+        f"--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
+    assert refusal("--load", str(d / "ck"), *flags, "--override-opt-param-scheduler") == ""
+    assert refusal("--load", str(d / "ck"), *flags, "--use-checkpoint-opt-param-scheduler") == ""
+    assert refusal("--load", str(d / "ck"), *flags, "--no-load-optim") == ""  # no schedule loaded: nothing to compare
+
+
+def test_resume_schedule_checks_what_is_restored(single, tmp_path):
+    """No refusal where no schedule is loaded (a weights-only checkpoint, as converted from Hugging Face) or where
+    nothing differs; a shorter run inside the same decay is no change of schedule. The scheduler flags are refused
+    where they cannot act."""
+    d, _, _ = single
+    ck = str(d / "ck")
+    assert refusal("--load", ck) == ""
+    assert refusal("--load", ck, "--train-iters", "8", "--lr-decay-iters", "10") == ""
+    model_only = resume_from(d / "ck", 10, tmp_path / "ck")
+    manifest = model_only / "iter_0000010" / "checkpoint.json"
+    manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), contents=["model"], scheduler=None)))
+    assert refusal("--load", str(model_only), "--train-iters", "20", "--lr", "2e-4") == ""
+    assert refusal("--load", ck, "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler") == (
+        "--override-opt-param-scheduler takes this run's schedule, --use-checkpoint-opt-param-scheduler the "
+        "checkpoint's: pass only one")
+    assert refusal("--override-opt-param-scheduler") == (
+        "--override-opt-param-scheduler: it applies when resuming with --load; drop the flag")
+    assert refusal("--load", ck, "--no-load-optim", "--use-checkpoint-opt-param-scheduler") == (
+        "--use-checkpoint-opt-param-scheduler: --no-load-optim loads no schedule; drop the flag")
+
+
+def test_changed_schedule_exits_2_in_one_line_before_launch(single):
+    """The entry point as torchrun's workers run it: one `configuration error:` line, exit status 2, no traceback.
+    (One Python start, no process group: about 3 s.)"""
+    d, _, _ = single
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_megatron_gpt.py"), *TINY, *TEN, "--load",
+                           str(d / "ck"), "--train-iters", "20"], capture_output=True, text=True, cwd=str(d),
+                          env=dict(os.environ, PYTHONWARNINGS="ignore"), timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"configuration error: --load {d / 'ck'} (iteration 10) continues a learning-rate "
+                                  f"schedule that this run's flags change: lr decay over 10 iterations")
+
+
+def expected_lr(iteration: int, lr: float, min_lr: float, warmup: int, decay: int, style: str) -> float:
+    """Megatron's schedule, written out: the rate step `iteration` (from 1) uses, after iteration - 1 steps."""
+    done = iteration - 1
+    if warmup and done <= warmup:
+        return lr * done / warmup
+    if done > decay:
+        return min_lr
+    ratio = (done - warmup) / (decay - warmup)
+    coeff = 0.5 * (math.cos(math.pi * ratio) + 1) if style == "cosine" else 1 - ratio
+    return min_lr + coeff * (lr - min_lr)
+
+
+def test_override_continues_with_the_new_schedule(single, tmp_path):
+    """--override-opt-param-scheduler from iteration 6: iterations 7-12 use the rates of the new flags' schedule
+    at those iterations (computed here from the formula), and iteration 7 still starts from the checkpoint's
+    weights (its loss is the straight run's). (6 iterations, one process: about 15 s.)"""
+    d, straight, _ = single
+    ck = resume_from(d / "ck", 6, tmp_path / "ck")
+    new = dict(lr=2e-4, min_lr=2e-5, warmup=2, decay=12, style="cosine")
+    resumed, proc = run_engine(tmp_path, 1, *TEN, "--load", str(ck), "--train-iters", "12", "--lr", "2e-4",
+                               "--min-lr", "2e-5", "--lr-warmup-iters", "2", "--lr-decay-style", "cosine",
+                               "--override-opt-param-scheduler")
+    assert "(iteration 6); lr schedule: this run's flags (--override-opt-param-scheduler)" in proc.stdout
+    lrs = {x["iteration"]: x["lr"] for x in resumed if "lr" in x}
+    assert sorted(lrs) == list(range(7, 13))
+    for i, lr in lrs.items():
+        assert lr == pytest.approx(expected_lr(i, **new), rel=1e-12), i
+    assert lrs[7] != pytest.approx(expected_lr(7, 1e-4, 0.0, 0, 10, "linear"))  # not the checkpoint's schedule
+    assert train_losses(resumed)[0] == pytest.approx(train_losses(straight)[6], rel=1e-6)
+
+
+def test_use_checkpoint_keeps_the_old_schedule(single, tmp_path):
+    """--use-checkpoint-opt-param-scheduler with other --lr/--min-lr/style: iterations 7-10 continue exactly as the
+    uninterrupted run (its rates, losses and grad norms). (4 iterations: about 12 s.)"""
+    d, straight, _ = single
+    ck = resume_from(d / "ck", 6, tmp_path / "ck")
+    resumed, proc = run_engine(tmp_path, 1, *TEN, "--load", str(ck), "--lr", "5e-4", "--min-lr", "1e-5",
+                               "--lr-decay-style", "cosine", "--use-checkpoint-opt-param-scheduler")
+    assert "lr schedule: the checkpoint's (--use-checkpoint-opt-param-scheduler: --lr 0.0001" in proc.stdout
+    assert_same_continuation(straight, resumed, 6)
+
+
+# ---------------------------------------------------------------- --save never takes over another run's checkpoints
+
+def test_save_into_another_runs_checkpoints_is_refused(single, tmp_path):
+    """A --save directory with checkpoints is written only by the run that resumes it (--load is the same
+    directory): another run, of this model and layout or not, is refused in one line naming what differs.
+    (In-process validate(): milliseconds.)"""
+    d, _, _ = single
+    ck = d / "ck"
+    tail = (f": a run never writes over another run's checkpoints. Resume that run with --load {ck}, or choose a new "
+            f"--save directory (pretrain_scripts/run_gpt.sh: OUTPUT=DIR)")
+    assert refusal("--save", str(ck)) == f"--save {ck} already holds checkpoints of this model and layout (iteration 10)" + tail
+    assert refusal("--save", str(ck), "--tensor-model-parallel-size", "2", world=2) == (
+        f"--save {ck} already holds the checkpoints of another run (iteration 10; TP 1 there, 2 here)" + tail)
+    assert refusal("--save", str(ck), "--hidden-size", "32", "--zero-1-memory-optimization") == (
+        f"--save {ck} already holds the checkpoints of another run (iteration 10; --hidden-size 64 there, 32 here, "
+        f"ZeRO 0 there, 1 here)" + tail)
+    (tmp_path / "empty").mkdir()
+    assert refusal("--load", str(tmp_path / "empty"), "--save", str(ck)).startswith(f"--save {ck} already holds")
+    # accepted: resuming in place (the same directory, however written), an empty or new directory, --skip-train
+    assert refusal("--load", str(ck), "--save", os.path.join(str(d), ".", "ck")) == ""
+    assert refusal("--save", str(tmp_path / "new")) == "" and refusal("--save", str(tmp_path / "empty")) == ""
+    assert refusal("--save", str(ck), "--skip-train") == ""
+
+
+def test_save_takeover_exits_2_in_one_line_before_launch(single):
+    """--validate-only for 2 processes (what the launchers run before torchrun): exit 2, one line."""
+    d, _, _ = single
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "pretrain_megatron_gpt.py"), *TINY, *TEN,
+                           "--tensor-model-parallel-size", "2", "--save", str(d / "ck"), "--validate-only"],
+                          capture_output=True, text=True, cwd=str(d),
+                          env=dict(os.environ, PYTHONWARNINGS="ignore", WORLD_SIZE="2"), timeout=300)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stderr.startswith(f"configuration error: --save {d / 'ck'} already holds the checkpoints of another "
+                                  f"run (iteration 10; TP 1 there, 2 here)")

@@ -67,8 +67,13 @@ SLOW = ("tp2", "tp2_sp", "pp2", "tp2_dp2_zero2", "dp2", "pp2_dp2_zero2", "tp2_pp
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in LAYOUTS])
 def test_layout_matches_single_process(name, references, tmp_path):
     nproc, args, settings = LAYOUTS[name]
-    ref_lines, ref_weights = references(settings)
     lines, _ = run_engine(tmp_path, nproc, *args, *SETTINGS[settings], "--save", str(tmp_path / "ckpt"))
+    assert_trains_like(references(settings), lines, full_weights(str(tmp_path / "ckpt" / "iter_0000005")))
+
+
+def assert_trains_like(reference, lines, weights):
+    """Same losses and gradient norm at each of the 5 steps (1e-5 relative) and same weights after them."""
+    ref_lines, ref_weights = reference
     losses, ref_losses = train_losses(lines), train_losses(ref_lines)
     assert len(losses) == len(ref_losses) == 5
     assert losses[-1] < losses[0]  # it learns
@@ -76,7 +81,21 @@ def test_layout_matches_single_process(name, references, tmp_path):
     norms, ref_norms = per_iteration(lines, "grad_norm"), per_iteration(ref_lines, "grad_norm")
     assert all(n > 0 for n in ref_norms)
     assert norms == pytest.approx(ref_norms, rel=1e-5)
-    weights = full_weights(str(tmp_path / "ckpt" / "iter_0000005"))
     assert set(weights) == set(ref_weights)
     for k, w in ref_weights.items():
         torch.testing.assert_close(weights[k], w, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
+
+
+@pytest.mark.parametrize("settings", list(SETTINGS))
+def test_one_micro_batch_trains_like_four(settings, references, tmp_path):
+    """The 1/num-micro-batches scale of the loss, where no layout test sees it (their references accumulate as many
+    micro batches as they do): the global batch of 8 as one micro batch of 8 trains like the reference's 4 micro
+    batches of 2 (the same samples). With the default settings clipping is active (grad norm above --clip-grad 1)
+    and the norms are compared; with scale_sensitive a scale error also moves the weights. (One process, 5
+    iterations: about 15 s each; the references are shared with the layout tests.)"""
+    ref_lines, _ = references(settings)
+    if settings == "default":
+        assert min(per_iteration(ref_lines, "grad_norm")) > 1.0  # clipping is active at every step
+    lines, proc = run_engine(tmp_path, 1, *SETTINGS[settings], "--micro-batch-size", "8", "--save", str(tmp_path / "ck"))
+    assert "micro batch 8 x 1 accumulation" in proc.stdout  # the reference runs micro batch 2 x 4
+    assert_trains_like(references(settings), lines, full_weights(str(tmp_path / "ck" / "iter_0000005")))

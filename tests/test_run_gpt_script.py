@@ -1,6 +1,7 @@
 """pretrain_scripts/run_gpt.sh as a new user runs it: demo data built offline, a tiny GPT trains, loss falls."""
 import json
 import os
+import re
 import subprocess
 import threading
 import time
@@ -45,12 +46,38 @@ def test_run_gpt_sh_defaults_train_and_save(tmp_path):
     steps = sum(x["step_time"] for x in lines if 10 < x.get("iteration", 0) <= 60 and "step_time" in x)
     gap = arrived["60/60"] - arrived["10/60"]
     assert gap > max(0.5 * steps, 0.1), f"iterations 11-60 took {steps:.2f} s, their log lines came {gap:.2f} s apart"
+    # The log file it names holds what it printed, stdout and stderr.
+    (log,) = re.findall(r"run_gpt\.sh: 1 node\(s\) x 1 process\(es\), log in (\S+)\n", stderr)
+    assert os.path.dirname(log) == str(tmp_path / "out" / "logs")
+    assert os.listdir(tmp_path / "out" / "logs") == [os.path.basename(log)]
+    text = open(log).read()
+    assert "configuration ok for 1 process(es)" in text and "validation at iteration 60" in text
+    assert all(line in text for _, line in arrivals if line.startswith("iteration"))
+    # A second run never writes into these checkpoints unless it resumes them (--load); refused before launch, it
+    # leaves no log. (Each --validate-only launch: a few seconds.)
+    again = dict(DEMO_DIR=str(tmp_path / "demo"))
+    rc, err = _launch(tmp_path, "--train-iters", "60", "--validate-only", **again)
+    ck = tmp_path / "out" / "checkpoints"
+    assert rc == 2 and err == (f"configuration error: --save {ck} already holds checkpoints of this model and layout "
+                               f"(iteration 60): a run never writes over another run's checkpoints. Resume that run "
+                               f"with --load {ck}, or choose a new --save directory (pretrain_scripts/run_gpt.sh: "
+                               f"OUTPUT=DIR)\n")
+    rc, err = _launch(tmp_path, "--train-iters", "60", GPUS="2", TP="2", **again)  # the issue's TP2 run
+    assert rc == 2 and err.startswith(f"configuration error: --save {ck} already holds the checkpoints of another run "
+                                      f"(iteration 60; TP 1 there, 2 here)") and err.count("\n") == 1, err
+    rc, err = _launch(tmp_path, "--train-iters", "60", "--validate-only", MODEL_FAMILY="llama", **again)
+    assert rc == 2 and "--model-family gpt there, llama here" in err, err
+    assert len(os.listdir(tmp_path / "out" / "logs")) == 1
+    rc, err = _launch(tmp_path, "--train-iters", "60", "--load", str(ck), "--validate-only", **again)  # resume: in place
+    assert rc == 0 and f"checkpoints to {ck} at the end" in err, err
+    assert (ck / "latest_checkpointed_iteration.txt").read_text().strip() == "60"
 
 
 def _launch(tmp_path, *args, script="run_gpt.sh", **env):
     """run_gpt.sh as a user runs it; returns (exit status, stderr)."""
     full = dict(os.environ, OUTPUT=str(tmp_path / "out"), PYTHONWARNINGS="ignore", **env)
-    for name in ("TRAIN_ITERS", "WARMUP", "GBS", "SAVE_INTERVAL", "PRECISION", "DATA_PATH", "GPUS", "TP", "PP"):
+    for name in ("TRAIN_ITERS", "WARMUP", "GBS", "SAVE_INTERVAL", "PRECISION", "DATA_PATH", "GPUS", "TP", "PP",
+                 "MODEL_FAMILY", "MODEL_SIZE", "HF_MODEL", "SAVE"):
         if name not in env:
             full.pop(name, None)
     proc = subprocess.run(["bash", os.path.join(ROOT, "pretrain_scripts", script), *args], capture_output=True,

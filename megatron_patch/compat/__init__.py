@@ -75,7 +75,8 @@ Called at their call sites (not applied globally):
                    count_linears_without_collective (its log: which linears the fused path takes)
   moe.py           route_experts_through (--moe-grouped-gemm: models/grouped_experts.py, built chunks)
   optimizer.py     replace_torch_optimizer (LAMB into megatron-core's wrappers), use_fused_adam (GPU),
-                   fuse_optimizer_step (--optimizer-step-fusion: training/fused_adam.py, built optimizer)
+                   fuse_optimizer_step (--optimizer-step-fusion: training/fused_adam.py, built optimizer),
+                   set_param_group_lr_range (resuming: training/checkpoint/checkpointer.py, around loading)
   adam_state.py    fill_empty_adam_state, restore_adam_step, steps_on_param_device (checkpointing)
   megatron_fsdp.py use_distributed_params, copy_main_to_model_params, prepare_uneven_dtensor_state (ZeRO-2 checkpoints)
   post_layernorm.py post_layernorm_transformer_layer, drop_final_layernorm, norm_before_embedding_dropout

@@ -48,6 +48,22 @@ def use_fused_adam(optimizer) -> None:
             g["fused"], g["foreach"] = True, False
 
 
+@register(upstream=("megatron/core/optimizer/optimizer.py:MegatronOptimizer._filter_and_reorder_param_groups",
+                    "megatron/core/optimizer/distrib_optimizer.py:DistributedOptimizer.load_state_dict",
+                    "megatron/core/optimizer_param_scheduler.py:OptimizerParamScheduler.get_lr"),
+          fixes="megatron-core pairs a checkpoint's param groups with the optimizer's by their settings, the lr range "
+                "(max_lr, min_lr) included, and loading gives the groups the saved values, which the scheduler reads "
+                "before its own: a resume with another --lr fails ('Could not find parameter group') and "
+                "--override-opt-param-scheduler could not change the range. Set every group's range: to the "
+                "checkpoint's before loading, to the schedule that wins after",
+          fingerprint="f23b996b91ccb050")
+def set_param_group_lr_range(optimizer, max_lr: float, min_lr: float) -> None:
+    """Set `max_lr` and `min_lr` of every param group of `optimizer` (a megatron-core optimizer or ChainedOptimizer).
+    The engine builds every group from one --lr / --min-lr (no per-group overrides), so one range fits all."""
+    for group in optimizer.param_groups:
+        group["max_lr"], group["min_lr"] = float(max_lr), float(min_lr)
+
+
 _FLOAT16 = "megatron/core/optimizer/optimizer.py:Float16OptimizerWithFloat16Params"
 
 

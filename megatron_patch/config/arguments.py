@@ -136,6 +136,12 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
     g.add_argument("--exit-interval", type=int, help="stop (after saving) when the iteration is a multiple of this")
     g.add_argument("--skip-train", action="store_true", help="only evaluate (validation and test sets), e.g. after --load")
     g.add_argument("--no-load-optim", action="store_true", help="with --load, take only the weights (fine-tuning)")
+    g.add_argument("--override-opt-param-scheduler", action="store_true",
+                   help="with --load: take this run's --lr, --min-lr, --lr-decay-iters/--train-iters, --lr-decay-style, "
+                        "warmup and --weight-decay, continued from the checkpoint's step (by default a resume whose "
+                        "schedule flags differ from the checkpoint's is refused)")
+    g.add_argument("--use-checkpoint-opt-param-scheduler", action="store_true",
+                   help="with --load: keep the checkpoint's learning-rate schedule whatever the flags say")
     g.add_argument("--keep-last-n", type=int, help="after each save, delete all but the newest N complete checkpoints")
     g.add_argument("--compile", "--torch-compile", dest="compile", action="store_true",
                    help="torch.compile each transformer layer (GPU; the attention only in MoE layers)")

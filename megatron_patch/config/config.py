@@ -110,6 +110,10 @@ class Config:
     exit_interval: Optional[int] = None
     skip_train: bool = False
     no_load_optim: bool = False
+    # A resume whose lr schedule flags differ from the checkpoint's is refused unless one of these says which wins
+    # (Megatron-LM's flags): this run's settings, continued from the checkpoint's step, or the checkpoint's.
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
     keep_last_n: Optional[int] = None
     compile: bool = False
     compile_mode: str = "default"  # torch.compile mode of --compile; reduce-overhead: CUDA graphs per layer

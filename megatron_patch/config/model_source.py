@@ -3,7 +3,7 @@
 checkpoint.json). The user then does not repeat shapes; a flag that contradicts the source is refused."""
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 from .config import ConfigError
 
@@ -32,21 +32,30 @@ def from_hf(path: str) -> Dict:
         raise ConfigError(f"--load-hf {path}: {e}") from None
 
 
-def from_checkpoint(path: str) -> Optional[Dict]:
-    """Architecture stored with the checkpoint `--load` resumes, or None when there is none to read."""
+def newest_manifest(path: str) -> Optional[Tuple[int, Dict]]:
+    """(iteration, checkpoint.json) of the checkpoint that loading `path` would resume, or None when there is
+    none to read (no directory, no checkpoint, or a damaged one: loading reports that, with the directory named)."""
     import os
 
-    from megatron_patch.training.checkpoint import directory
+    from megatron_patch.training.checkpoint import directory  # torch-free: the on-disk layout only
 
     if not os.path.isdir(path):
-        return None  # validate() reports a missing --load
+        return None
     try:
         iteration, _ = directory.select_checkpoint(path)
         if iteration is None:
             return None
-        manifest = directory.read_manifest(directory.checkpoint_dir(path, iteration))
+        return iteration, directory.read_manifest(directory.checkpoint_dir(path, iteration))
     except (directory.CheckpointError, OSError, ValueError):
-        return None  # loading reports it, with the directory named
+        return None
+
+
+def from_checkpoint(path: str) -> Optional[Dict]:
+    """Architecture stored with the checkpoint `--load` resumes, or None when there is none to read."""
+    found = newest_manifest(path)  # a missing --load is reported by validate()
+    if found is None:
+        return None
+    manifest = found[1]
     stored = manifest.get("config", {})
     arch = {k: stored[k] for k in ARCHITECTURE if k in stored}
     model = manifest.get("model", {})

@@ -5,6 +5,7 @@ import importlib.util
 import os
 
 from .config import Config, ConfigError
+from .resume import check_resume
 
 
 def _has_gpu() -> bool:
@@ -339,3 +340,5 @@ def validate(c: Config, world_size: int) -> None:
     c.world_size = world_size
     c.data_parallel_size = dp
     c.num_microbatches = c.global_batch_size // (c.micro_batch_size * dp)
+    # Last: these compare the final settings (layout, global batch) with the checkpoints in --load and --save.
+    check_resume(c)

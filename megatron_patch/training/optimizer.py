@@ -10,6 +10,7 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
 from megatron_patch.compat.optimizer import replace_torch_optimizer, use_fused_adam
 from megatron_patch.config import Config
+from megatron_patch.config.resume import scheduler_settings
 
 from .lamb import Lamb
 
@@ -64,12 +65,14 @@ def build_optimizer(cfg: Config, model_chunks) -> Tuple[object, str]:
 
 
 def build_scheduler(cfg: Config, optimizer) -> OptimizerParamScheduler:
-    """Megatron's schedule, counted in samples: warmup, then constant/linear/cosine decay to --min-lr."""
-    gbs = cfg.global_batch_size
-    decay_iters, warmup_iters = cfg.decay_iters, cfg.warmup_iters
+    """Megatron's schedule, counted in samples: warmup, then constant/linear/cosine decay to --min-lr.
+
+    On resume (Checkpointer.load) the checkpoint's step count is restored, and its settings (max/min lr, warmup,
+    decay, weight decay) unless --override-opt-param-scheduler keeps this run's. Without either scheduler flag a
+    schedule that differs from the checkpoint's was refused before launch (config.resume.check_schedule), so the
+    two agree and taking the checkpoint's values changes nothing."""
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0, max_lr=cfg.lr, min_lr=cfg.min_lr,
-        lr_warmup_steps=warmup_iters * gbs, lr_decay_steps=decay_iters * gbs, lr_decay_style=cfg.lr_decay_style,
-        start_wd=cfg.weight_decay, end_wd=cfg.weight_decay, wd_incr_steps=cfg.train_iters * gbs, wd_incr_style="constant",
-        use_checkpoint_opt_param_scheduler=True, override_opt_param_scheduler=False,
+        optimizer, init_lr=0.0, **scheduler_settings(cfg),
+        use_checkpoint_opt_param_scheduler=not cfg.override_opt_param_scheduler,
+        override_opt_param_scheduler=cfg.override_opt_param_scheduler,
     )

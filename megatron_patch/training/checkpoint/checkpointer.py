@@ -14,7 +14,9 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_patch.compat import apply_safe_loading, safe_loading
+from megatron_patch.compat.optimizer import set_param_group_lr_range
 from megatron_patch.config import Config
+from megatron_patch.config.resume import check_schedule, layout, restores
 
 from . import directory, fsdp_dtensor, torch_dist
 from .directory import CheckpointError, checkpoint_dir
@@ -28,19 +30,6 @@ class TrainState:
     iteration: int = 0
     consumed_samples: int = 0  # training samples, over all data-parallel ranks
     consumed_valid_samples: int = 0  # validation samples, so evaluation walks on through the set
-
-
-def layout(cfg: Config) -> Dict[str, int]:
-    zero = 2 if cfg.zero_2_memory_optimization else 1 if cfg.zero_1_memory_optimization else 0
-    out = {"tp": cfg.tensor_model_parallel_size, "pp": cfg.pipeline_model_parallel_size,
-           "dp": cfg.data_parallel_size, "vpp": cfg.virtual_pipeline_model_parallel_size or 1, "zero": zero}
-    if cfg.num_experts:  # expert layout (absent: a dense model, or EP 1 / ETP TP)
-        out.update(ep=cfg.expert_model_parallel_size, etp=cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size)
-    return out
-
-
-def _expert_layout(lay: Dict[str, int]):
-    return lay.get("ep", 1), lay.get("etp", lay["tp"])
 
 
 def _versions() -> Dict[str, str]:
@@ -143,17 +132,15 @@ class Checkpointer:
         if self.format == fsdp_dtensor.FORMAT and saved != mine:
             raise CheckpointError(f"{path} is a ZeRO-2 checkpoint of layout {saved}; it loads only into the same "
                                   f"layout (this run: {mine}). Resume with the same TP/PP/DP and ZeRO-2.")
-        model_only = "optimizer" not in manifest.get("contents", ["optimizer"])
-        same_model_layout = all(saved[k] == mine[k] for k in ("tp", "pp", "vpp"))
-        # Expert weights are global tensors too (any EP/ETP loads them), but megatron-core keeps the experts'
-        # optimizer state apart (a ChainedOptimizer, sharded over expert-DP) once EP > 1 or ETP != TP, so
-        # that state moves with neither.
-        same_expert_layout = _expert_layout(saved) == _expert_layout(mine)
-        same_model_layout = same_model_layout and same_expert_layout
-        # The distributed optimizer's shards follow DP size changes only; without ZeRO they follow the model.
-        optimizer_fits = saved["zero"] == mine["zero"] and same_expert_layout and \
-            (same_model_layout or mine["zero"] == 0)
-        load_optimizer = not self.cfg.no_load_optim and optimizer_fits and not model_only
+        restore = restores(manifest, self.cfg)
+        model_only, same_model_layout = restore.model_only, restore.same_model_layout
+        optimizer_fits, load_optimizer = restore.optimizer_fits, restore.optimizer
+        refusal = check_schedule(self.cfg, manifest, path)  # validate() refused it already; a caller may not validate
+        if refusal:
+            raise CheckpointError(refusal)
+        stored = manifest.get("scheduler") or {}
+        if load_optimizer:  # the saved param groups are found by their lr range: give the groups the checkpoint's
+            set_param_group_lr_range(self.optimizer, stored["max_lr"], stored["min_lr"])
         try:
             safe_loading.check_metadata(path)  # DCP itself would swallow the refusal into "metadata is None"
             self.backend.load(path, self.model, self.optimizer, load_optimizer=load_optimizer,
@@ -164,9 +151,16 @@ class Checkpointer:
                 raise
             raise CheckpointError(f"{path}: {refused} Loading a checkpoint never runs code that it contains; this one "
                                   f"was not written by megatron_patch or has been tampered with.") from None
-        if load_optimizer:
-            self.scheduler.load_state_dict(manifest["scheduler"])
         notes = []
+        if load_optimizer:
+            self.scheduler.load_state_dict(stored)  # megatron-core: the step count, and the settings that win
+            set_param_group_lr_range(self.optimizer, self.scheduler.max_lr, self.scheduler.min_lr)
+            self.scheduler.step(0)  # the groups' lr from that range
+            if self.cfg.override_opt_param_scheduler:
+                notes.append("lr schedule: this run's flags (--override-opt-param-scheduler), from the checkpoint's step")
+            elif self.cfg.use_checkpoint_opt_param_scheduler:
+                notes.append(f"lr schedule: the checkpoint's (--use-checkpoint-opt-param-scheduler: --lr "
+                             f"{self.scheduler.max_lr:g}, decay over {self.scheduler.lr_decay_steps} samples)")
         if saved != mine:
             notes.append(f"layout {saved} -> {mine}")
         if not same_model_layout:
