@@ -64,6 +64,22 @@ SAVE_INTERVAL=${SAVE_INTERVAL:-}         # default: one checkpoint, when trainin
 
 # Defaults that depend on other settings (global batch, warmup, save interval, max positions) are not
 # computed here, where a later flag could contradict them, but in Python from the final flags.
+# The default OUTPUT of a launch that names none: BASE, or BASE_2, BASE_3 ... when an earlier run's checkpoints
+# are there, so a second `make demo` trains anew beside the first instead of being refused (a run never writes
+# into another run's checkpoints; OUTPUT=DIR or SAVE=DIR choose, --load BASE/checkpoints resumes the earlier run).
+fresh_output() {
+  local base=$1 out=$1 n=1
+  if [ -z "${SAVE:-}" ]; then
+    while [ -e "$out/checkpoints/latest_checkpointed_iteration.txt" ] || compgen -G "$out/checkpoints/iter_*" >/dev/null; do
+      n=$((n + 1))
+      out=${base}_$n
+    done
+  fi
+  [ "$out" = "$base" ] || echo "$(basename "$0"): $base holds an earlier run's checkpoints; this run writes to $out" \
+    "(resume the earlier run with --load $base/checkpoints; OUTPUT=DIR chooses the directory)" >&2
+  printf '%s' "$out"
+}
+
 common_args() {
   ARGS+=(--tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
         --seq-length "$SEQ_LEN" --micro-batch-size "$MBS" --train-iters "$TRAIN_ITERS"

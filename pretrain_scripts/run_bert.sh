@@ -20,7 +20,14 @@ MBS=${MBS:-48}
 source "$ROOT/pretrain_scripts/launcher.sh"
 
 MODEL_SIZE=${MODEL_SIZE:-tiny}           # tiny | base | large
-OUTPUT=${OUTPUT:-$ROOT/work_dirs/bert_${MODEL_SIZE}}
+if [ -z "${OUTPUT:-}" ]; then
+  LOAD=$(flag_value --load)
+  if [ -n "$LOAD" ] && [ "$(basename "$LOAD")" = checkpoints ]; then
+    OUTPUT=$(dirname "$LOAD")  # resuming a launcher run: it continues in place
+  else
+    OUTPUT=$(fresh_output "$ROOT/work_dirs/bert_${MODEL_SIZE}")
+  fi
+fi
 SAVE=${SAVE:-$OUTPUT/checkpoints}
 
 if [ -f "$(flag_value --load)/latest_checkpointed_iteration.txt" ]; then

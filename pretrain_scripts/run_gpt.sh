@@ -27,16 +27,17 @@ HF_MODEL=${HF_MODEL:-}                   # a Hugging Face model directory to sta
 # Where the run writes (checkpoints in OUTPUT/checkpoints, metrics, tensorboard, logs). A --save directory that
 # holds another run's checkpoints is refused before launch; resuming with --load DIR/checkpoints of a launcher
 # run writes back into DIR (the run continues in place), starting from another checkpoint names OUTPUT after it.
+# Without OUTPUT, a default directory that holds an earlier run's checkpoints gets a suffix (_2, _3, ...).
 LOAD=$(flag_value --load)
 if [ -z "${OUTPUT:-}" ]; then
   if [ -n "$HF_MODEL" ]; then
-    OUTPUT=$ROOT/work_dirs/$(basename "$HF_MODEL")
+    OUTPUT=$(fresh_output "$ROOT/work_dirs/$(basename "$HF_MODEL")")
   elif [ -n "$LOAD" ] && [ "$(basename "$LOAD")" = checkpoints ]; then
     OUTPUT=$(dirname "$LOAD")
   elif [ -n "$LOAD" ]; then
-    OUTPUT=$ROOT/work_dirs/$(basename "$LOAD")
+    OUTPUT=$(fresh_output "$ROOT/work_dirs/$(basename "$LOAD")")
   else
-    OUTPUT=$ROOT/work_dirs/${MODEL_FAMILY}_${MODEL_SIZE}
+    OUTPUT=$(fresh_output "$ROOT/work_dirs/${MODEL_FAMILY}_${MODEL_SIZE}")
   fi
 fi
 SAVE=${SAVE:-$OUTPUT/checkpoints}

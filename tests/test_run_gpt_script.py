@@ -192,3 +192,26 @@ def test_fast_configuration_tracks_the_plain_engine_over_50_steps_on_real_data(t
         runs[name] = [x["loss"] for x in map(json.loads, open(tmp_path / name / "out" / "metrics.jsonl")) if "loss" in x]
     assert len(runs["plain"]) == 50 and runs["plain"][-1] < runs["plain"][0] - 1.0
     assert runs["fast"] == pytest.approx(runs["plain"], rel=1e-4)
+
+
+def test_default_output_beside_an_earlier_runs_checkpoints(tmp_path):
+    """Without OUTPUT, a launcher whose default directory holds an earlier run's checkpoints writes beside it
+    (BASE_2, BASE_3, ...) and says so, so a second `make demo` trains anew instead of being refused."""
+    base = tmp_path / "work_dirs" / "gpt_tiny"
+
+    def fresh(**env):
+        script = f'ROOT={ROOT}; EXTRA=(); source {ROOT}/pretrain_scripts/launcher.sh; fresh_output {base}'
+        proc = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                              env=dict(os.environ, **env))
+        assert proc.returncode == 0, proc.stderr
+        return proc.stdout, proc.stderr
+
+    assert fresh() == (str(base), "")  # nothing there yet
+    (base / "checkpoints" / "iter_0000300").mkdir(parents=True)
+    out, err = fresh()
+    assert out == f"{base}_2" and f"{base} holds an earlier run's checkpoints" in err
+    assert f"--load {base}/checkpoints" in err
+    (tmp_path / "work_dirs" / "gpt_tiny_2" / "checkpoints").mkdir(parents=True)
+    (tmp_path / "work_dirs" / "gpt_tiny_2" / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("10")
+    assert fresh()[0] == f"{base}_3"
+    assert fresh(SAVE=str(tmp_path / "elsewhere"))[0] == str(base)  # SAVE chooses where checkpoints go

@@ -43,3 +43,9 @@ PLANTS = [
          tests=["tests/test_pretrainer.py::test_broadcast_data_without_tensor_parallelism_moves_and_casts",
                 "tests/test_engine_parallel.py -k tp2"]),
 ]
+PLANTS.append(
+    dict(name="launcher-default-output-reused", file="pretrain_scripts/launcher.sh",
+         original='  if [ -z "${SAVE:-}" ]; then\n    while',
+         replacement='  if [ -n "${SAVE:-}" ]; then\n    while',
+         property="a launcher's default OUTPUT never reuses an earlier run's checkpoint directory",
+         tests=["tests/test_run_gpt_script.py::test_default_output_beside_an_earlier_runs_checkpoints"]))
