@@ -197,6 +197,36 @@ def test_export_checker_refuses_tensors_config_json_does_not_describe():
         check.finish()
 
 
+@pytest.mark.parametrize("family", ["gpt", "llama", "qwen2", "mistral", "mixtral", "qwen2_moe", "bert"])
+def test_every_family_exports_a_config_with_its_sizes_left_at_defaults(family):
+    """A run given only layers, hidden size and heads (ffn, kv_channels, query groups, expert width and max
+    positions left at their defaults): config.json has the sizes the engine builds, and transformers builds its
+    model (on the meta device) from it. Cheap: no process group, no weights."""
+    from megatron_patch.config import parse_args
+    from megatron_patch.conversion import tables
+    from megatron_patch.conversion.architecture import hf_parameter_shapes, resolve
+
+    flags = ["--num-layers", "2", "--hidden-size", str(HIDDEN), "--num-attention-heads", str(HEADS), "--mock-data",
+             "--vocab-size", str(VOCAB), "--seq-length", str(SEQ)]
+    entry = "bert" if family == "bert" else "gpt"  # pretrain_megatron_bert.py's parser for BERT
+    stored = parse_args(flags if entry == "bert" else ["--model-family", family, *flags], model=entry).validate(1)
+    assert stored.ffn_hidden_size is None and stored.kv_channels is None and stored.num_query_groups is None
+    cfg = resolve(stored)
+    module = tables.for_engine(cfg)
+    config = module.hf_config(cfg, VOCAB, None)
+    if hasattr(module, "export_config"):
+        config = module.export_config(config, cfg)
+    shapes = hf_parameter_shapes(config)
+    ffn = {"mixtral": cfg.moe_ffn_hidden_size}.get(family, 4 * HIDDEN)
+    width = config.get("intermediate_size") or config.get("n_inner")
+    assert width == ffn and ffn is not None, (family, width, ffn)
+    positions = 512 if family == "bert" else SEQ  # BERT's family preset; the others: --seq-length
+    assert stored.max_position_embeddings == positions
+    assert config.get("max_position_embeddings", config.get("n_positions")) == positions
+    assert config.get("num_key_value_heads", HEADS) == HEADS and config["vocab_size"] == VOCAB
+    assert any(shape[0] == VOCAB for name, shape in shapes.items() if "emb" in name or "wte" in name), shapes
+
+
 # ---------------------------------------------------------------------------- broken safetensors files
 
 def _truncate(file: str) -> None:
