@@ -435,6 +435,36 @@ def _plant_experts_swapped_across_ep():
     load_hf.global_name = global_name
 
 
+def late_token(vocab: int, seq: int) -> int:
+    """The token of verify's batch (conversion.verify.sample_tokens) that appears in its second row only, first
+    as late as possible before the last position: corrupting its embedding row changes the logits at a few
+    positions of one row only, which a verify that looks at the first position (or the first row) misses."""
+    from megatron_patch.conversion.verify import sample_tokens
+
+    tokens = sample_tokens(vocab, seq)
+    first = {}
+    for s, t in enumerate(tokens[1].tolist()):
+        first.setdefault(t, s)
+    only_second = [t for t in first if t not in set(tokens[0].tolist()) and first[t] < seq - 1]
+    return max(only_second, key=lambda t: first[t])
+
+
+def _plant_export_late_token_row():
+    """An export whose input embedding row of late_token (at verify's 32 positions: the trained model of
+    tests/test_conversion_export.py) is off by 1: only a few positions of one batch row see it."""
+    from megatron_patch.conversion import mapping
+
+    def make(original):
+        def to_hf(rules, read_mcore, d):
+            for name, t in original(rules, read_mcore, d):
+                if name in ("model.embed_tokens.weight", "transformer.wte.weight"):
+                    t = t.clone()
+                    t[late_token(d.vocab, 32)] += 1.0
+                yield name, t
+        return to_hf
+    mapping.to_hf = make(mapping.to_hf)
+
+
 def _transforms(fn):
     def apply():
         from megatron_patch.conversion import transforms
@@ -458,6 +488,7 @@ PLANTS: Dict[str, Callable[[], None]] = {
     "export_one_ulp": _transforms(_plant_export_one_ulp),
     "export_config_no_architectures": _plant_export_config_no_architectures,
     "verify_without_export_dtype": _plant_verify_without_export_dtype,
+    "export_late_token_row": _plant_export_late_token_row,
     "rope_scaling_ignored": _plant_rope_scaling_ignored,
     # mixture of experts (tests/test_conversion_moe.py)
     "import_gate_up_swapped": _transforms(_plant_import_gate_up_swapped),

@@ -251,9 +251,9 @@ def test_round_trip_verifies_and_reproduces_every_tensor(family, layout, hf_dir,
     m = manifest(ck)
     assert (m["layout"]["tp"], m["layout"]["pp"], m["iteration"]) == (tp, pp, 0)
     assert m["layout"]["ep"] == ep and m["layout"]["etp"] == (etp or tp)
-    export_verify = ["--verify"] if (family, layout) not in FAST else []
+    export_verify = ["--verify"] if (family, layout) not in FAST else ["--no-verify"]  # CI time: checked bit for bit
     proc = run_convert("--direction", "mcore2hf", "--load-dir", ck, "--save-dir", out, *export_verify)
-    assert proc.returncode == 0 and ("verify passed" in proc.stdout or not export_verify), explain(proc)
+    assert proc.returncode == 0 and ("verify passed" in proc.stdout or export_verify == ["--no-verify"]), explain(proc)
     assert_same_tensors(read_safetensors_dir(src), read_safetensors_dir(out), f"{family} {layout}: {out}")
 
 

@@ -10,8 +10,17 @@
             above --max-shard-size) + tokenizer files, loadable with AutoModelForCausalLM.from_pretrained
             (BERT: BertForPreTraining / BertForMaskedLM).
 
-`--verify` runs both models on the same token batches and fails unless the logits agree (see verify.py;
-BERT: hidden states and heads, verify_bert.py).
+`--verify` runs both models on the same token batches and fails (exit 3) unless the logits agree (see
+verify.py; BERT: hidden states and heads, verify_bert.py). mcore2hf verifies by default, whatever the
+checkpoint's origin (trained in the engine, converted, or trained after a conversion): an export is what
+leaves the engine, so it is proved unless `--no-verify` says otherwise (e.g. a model too large to hold twice
+in fp32). Its files are written into a hidden directory next to --save-dir and renamed to --save-dir once
+the export is complete and verified, so a failed export leaves nothing behind. hf2mcore verifies on request
+(`--verify`).
+
+mcore2hf describes the model that was built, not the arguments as given: dimensions a run left at their
+defaults (stored as None) are derived by the engine's own model builder (architecture.py), and the written
+tensors are checked against a transformers model of the exported config.json before anything is published.
 """
 from __future__ import annotations
 
@@ -51,9 +60,14 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="mcore2hf: tensor dtype written (auto: the original Hugging Face dtype when the checkpoint "
                         "came from one, else the checkpoint's)")
     p.add_argument("--max-shard-size", default="5GB", help="mcore2hf: safetensors shard size (e.g. 500MB, 5GB)")
-    p.add_argument("--verify", action="store_true", help="compare the logits of both models; exit 3 if they differ")
+    p.add_argument("--verify", action=argparse.BooleanOptionalAction, default=None,
+                   help="compare the logits of both models; exit 3 if they differ (default: on for mcore2hf, off "
+                        "for hf2mcore; --no-verify turns it off)")
     p.add_argument("--debug", action="store_true", help="with --verify, print the difference after every layer")
-    return p.parse_args(argv)
+    a = p.parse_args(argv)
+    if a.verify is None:
+        a.verify = a.direction == "mcore2hf"  # an export is proved by default (module docstring)
+    return a
 
 
 def _bytes(text: str) -> int:
@@ -89,26 +103,34 @@ def _free_port() -> int:
 
 
 def run_workers(nproc: int, task_args: List[str]) -> int:
-    """Start `nproc` worker processes on the CPU (gloo); their log streams through, their errors are shown
-    once. Returns the workers' exit status (0 ok, 2 conversion error, 3 verification failed)."""
+    """Start `nproc` worker processes on the CPU (gloo); their log streams through. Returns the workers' exit
+    status (0 ok, 2 conversion error, 3 verification failed), which each worker writes to a status file
+    of its own (worker.py --status-dir); a worker that died without one is reported with torchrun's log."""
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(_free_port()), "-m", "megatron_patch.conversion.worker", *task_args]
-    with tempfile.TemporaryFile("w+") as err:
+    with tempfile.TemporaryDirectory(prefix="convert_status_") as status_dir, tempfile.TemporaryFile("w+") as err:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+               str(_free_port()), "-m", "megatron_patch.conversion.worker", *task_args, "--status-dir", status_dir]
         proc = subprocess.run(cmd, env=env, stderr=err, text=True)
-        if proc.returncode != 0:
+        reports = []
+        for name in sorted(os.listdir(status_dir)):
+            with open(os.path.join(status_dir, name)) as f:
+                reports.append(json.load(f))
+        codes = {r["status"] for r in reports}
+        if 2 in codes:  # a refusal: the same message from several ranks is shown once
+            messages = [r["message"] for r in reports if r["status"] == 2]
+            print("\n".join(f"conversion error: {m}" for m in dict.fromkeys(messages)), file=sys.stderr)
+            return 2
+        if 3 in codes:  # the verdict is on stdout already; torchrun's traceback would only hide it
+            print("verification failed: the two models' logits differ (the verdict above), so the converted weights "
+                  "do not reproduce the model. Rerun with --debug to see the first layer whose output differs, then "
+                  "check that layer's rules in the family's table (QKV grouping, rotary layout, Conv1D transposes)",
+                  file=sys.stderr)
+            return 3
+        if proc.returncode != 0 or len(reports) < nproc:  # a worker died without saying why: show its log
             err.seek(0)
-            text = err.read()
-            lines = [x for x in text.splitlines() if x.startswith("conversion error")]
-            codes = [int(c) for c in ("3", "2") if f"exitcode  : {c}" in text or f"exitcode: {c}" in text]
-            if not lines and codes[:1] == [3]:  # the verdict is on stdout; torchrun's traceback would only hide it
-                lines = ["verification failed: the two models' logits differ (the verdict above), so the converted "
-                         "weights do not reproduce the model. Rerun with --debug to see the first layer whose output "
-                         "differs, then check that layer's rules in the family's table (QKV grouping, rotary layout, "
-                         "Conv1D transposes)"]
-            print("\n".join(lines) if lines else text[-6000:], file=sys.stderr)
-            return codes[0] if codes else 1
+            print(err.read()[-6000:], file=sys.stderr)
+            return proc.returncode or 1
     return 0
 
 
@@ -119,6 +141,7 @@ def hf2mcore(a: argparse.Namespace) -> int:
     _family_check(a.model_family, config.get("model_type", "?"))
     _check_save_dir(a.save_dir)
     reader = HFCheckpointReader(a.load_dir)
+    reader.check_files()  # a truncated or corrupt shard is named here, before any worker starts
     first = next(iter(reader.keys()))
     hf_dtype = str(reader.dtype_of(first)).replace("torch.", "")
     tp, pp = a.target_tensor_model_parallel_size, a.target_pipeline_model_parallel_size
@@ -170,17 +193,26 @@ def _end_of_document(cfg, vocab: int) -> Optional[int]:
     return eod if eod is not None and 0 <= eod < vocab else None
 
 
+def _staging_dir(save_dir: str) -> str:
+    """A new hidden directory next to `save_dir` (same file system: the final rename is atomic)."""
+    parent, name = os.path.split(os.path.abspath(save_dir))
+    os.makedirs(parent, exist_ok=True)
+    path = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o777 & ~umask)  # mkdtemp's 0700 would stay with the published directory
+    return path
+
+
 def mcore2hf(a: argparse.Namespace) -> int:
     import dataclasses
-
-    import torch
-    from tqdm import tqdm
+    import shutil
 
     from megatron_patch.config import Config
 
     from . import tables
-    from .hf_io import HFCheckpointWriter
-    from .mapping import ConversionError, dims, to_hf
+    from .architecture import resolve
+    from .mapping import ConversionError
     from .mcore_reader import MegatronCheckpointReader
 
     reader = MegatronCheckpointReader(a.load_dir)
@@ -189,8 +221,8 @@ def mcore2hf(a: argparse.Namespace) -> int:
     family = tables.for_engine(cfg)
     _family_check(a.model_family, cfg.model_family or family.TABLE.family)
     _check_save_dir(a.save_dir)
+    cfg = resolve(cfg)  # the dimensions of the model that was built, defaults included
     info = reader.manifest.get("model", {})
-    vocab, padded = info["vocab_size"], info["padded_vocab_size"]
     rules = family.TABLE.rules_for(cfg)
     have, need = set(reader.keys()), {r.mcore for r in rules}
     if have != need:
@@ -198,6 +230,33 @@ def mcore2hf(a: argparse.Namespace) -> int:
         raise ConversionError(f"{a.load_dir}: the {family.TABLE.family} table "
                               + (f"needs {', '.join(missing[:3])}, which the checkpoint lacks" if missing else
                                  f"does not use {', '.join(extra[:3])}: converting would drop them"))
+    staging = _staging_dir(a.save_dir)
+    try:
+        name = _write_export(a, reader, cfg, family, info, rules, staging)
+        if a.verify:
+            status = run_workers(1, ["verify", "--load-dir", a.load_dir, "--hf-dir", staging, "--dtype", DTYPES[name]]
+                                 + (["--debug"] if a.debug else []))
+            if status:
+                print(f"mcore2hf: nothing written to {a.save_dir} (the export failed verification)", flush=True)
+                return status
+        os.replace(staging, a.save_dir)  # an empty --save-dir is replaced; a non-empty one was refused above
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already when published
+    print(f"saved {a.save_dir}" + ("" if a.verify else " (not verified: --no-verify)"), flush=True)
+    return 0
+
+
+def _write_export(a: argparse.Namespace, reader, cfg, family, info: dict, rules, out: str) -> str:
+    """Write config.json, the safetensors and the tokenizer files of the export into `out`; returns the
+    dtype name written (fp32/bf16/fp16)."""
+    import torch
+    from tqdm import tqdm
+
+    from .architecture import ExportChecker
+    from .hf_io import HFCheckpointWriter
+    from .mapping import dims, to_hf
+
+    vocab, padded = info["vocab_size"], info["padded_vocab_size"]
     # a converted model keeps its original config.json; an engine-native one gets its tokenizer's end of document
     hf_config = dict(info.get("hf_config") or family.hf_config(cfg, vocab, _end_of_document(cfg, vocab)))
     if hasattr(family, "export_config"):  # e.g. BERT: the export has heads a bare BertModel original lacked
@@ -210,22 +269,21 @@ def mcore2hf(a: argparse.Namespace) -> int:
     print(f"mcore2hf: {reader.path} (iteration {reader.manifest['iteration']}, {family.TABLE.family}, layout "
           f"{reader.manifest['layout']}) -> {a.save_dir} ({name})", flush=True)
     t0 = time.time()
-    os.makedirs(a.save_dir, exist_ok=True)
-    writer = HFCheckpointWriter(a.save_dir, max_shard_bytes=_bytes(a.max_shard_size))
+    check = ExportChecker(hf_config, f"{reader.path} -> {a.save_dir}")
     d = dims(cfg, vocab, padded)
-    for hf_name, tensor in tqdm(to_hf(rules, reader.get, d), total=sum(len(r.hf) for r in rules), desc="tensors",
-                                disable=not sys.stderr.isatty()):
-        writer.add(hf_name, tensor.to(dtype))
-    writer.close({"format": "pt"})
-    with open(os.path.join(a.save_dir, "config.json"), "w") as f:
+    with HFCheckpointWriter(out, max_shard_bytes=_bytes(a.max_shard_size)) as writer:
+        for hf_name, tensor in tqdm(to_hf(rules, reader.get, d), total=sum(len(r.hf) for r in rules),
+                                    desc="tensors", disable=not sys.stderr.isatty()):
+            check.add(hf_name, tuple(tensor.shape))
+            writer.add(hf_name, tensor.to(dtype))
+        check.finish()
+        writer.close({"format": "pt"})
+    with open(os.path.join(out, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=2, sort_keys=True)
-    copied = _export_tokenizer(stored, info, a.save_dir)
-    print(f"wrote {a.save_dir}: config.json, {len(os.listdir(a.save_dir)) - 1 - len(copied)} safetensors file(s), "
-          f"tokenizer files {copied or 'none (the checkpoint names none)'} in {time.time() - t0:.1f} s", flush=True)
-    if not a.verify:
-        return 0
-    return run_workers(1, ["verify", "--load-dir", a.load_dir, "--hf-dir", a.save_dir, "--dtype", DTYPES[name]]
-                       + (["--debug"] if a.debug else []))
+    copied = _export_tokenizer(reader.config, info, out)
+    print(f"wrote config.json, {len(os.listdir(out)) - 1 - len(copied)} safetensors file(s), tokenizer files "
+          f"{copied or 'none (the checkpoint names none)'} in {time.time() - t0:.1f} s", flush=True)
+    return name
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -58,6 +58,18 @@ def read_hf_config(path: str) -> Dict:
     return config
 
 
+def _open_safetensors(file: str):
+    """safe_open(file), or HFCheckpointError naming the file. safetensors checks the header and that the file
+    is as long as the header says, so a truncated download or a file that is not safetensors fails here."""
+    from safetensors import SafetensorError
+
+    try:
+        return safe_open(file, framework="pt")
+    except (SafetensorError, OSError) as e:
+        raise HFCheckpointError(f"{file} is not a readable safetensors file ({e}): it is truncated or corrupt; "
+                                f"copy or download it again") from None
+
+
 class HFCheckpointReader(TensorIndex):
     """The tensors of a Hugging Face directory, by name, read one at a time from the shard that holds them.
 
@@ -70,7 +82,7 @@ class HFCheckpointReader(TensorIndex):
         if os.path.isfile(index):
             self._where = self._read_index(index)
         elif os.path.isfile(single):
-            with safe_open(single, framework="pt") as f:
+            with _open_safetensors(single) as f:
                 self._where = {name: SINGLE for name in f.keys()}
         elif not os.path.isdir(path):
             raise HFCheckpointError(f"{path} does not exist or is not a directory: expected a Hugging Face model "
@@ -100,6 +112,13 @@ class HFCheckpointReader(TensorIndex):
                                         f"or copy is incomplete; fetch the missing file")
         return dict(weight_map)
 
+    def check_files(self) -> None:
+        """Open every weight file once (its header only): a truncated or corrupt file is reported now, by
+        name, rather than when its first tensor is needed."""
+        for file in sorted(set(self._where.values())):
+            with _open_safetensors(os.path.join(self.path, file)):
+                pass
+
     def file_of(self, name: str) -> str:
         """The path of the file that holds `name`."""
         if name not in self._where:
@@ -112,7 +131,7 @@ class HFCheckpointReader(TensorIndex):
         file = self.file_of(name)
         if file != self._open_file:
             self._handle = None  # release the previous shard's map before opening the next one
-            self._handle = safe_open(file, framework="pt")
+            self._handle = _open_safetensors(file)
             self._handle_keys = set(self._handle.keys())
             self._open_file = file
         if name not in self._handle_keys:

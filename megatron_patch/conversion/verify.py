@@ -1,7 +1,8 @@
 """Proof that a conversion kept the model: the Hugging Face model and the engine's model (in whatever
 TP/PP layout it was built) run the same token batches, and their logits must agree.
 
-Criterion: max |logit difference| <= 1e-4 and the same top-1 token at every position. Both sides run in
+Criterion: max |logit difference| <= 1e-4 over every position of every batch row and the real vocabulary
+(the padding rows excluded), and the same top-1 token at every position. Both sides run in
 fp32 (bf16 weights are exactly representable there), so the criterion is the same for bf16 checkpoints.
 `debug=True` also prints the difference after every transformer layer."""
 from __future__ import annotations

@@ -6,14 +6,17 @@
   verify       build the model (fp32, --tp/--pp layout) from an engine checkpoint's tensors and compare
                its logits (BERT: hidden states and heads) with a Hugging Face directory's
 
-`python -m megatron_patch.conversion.worker {hf2mcore|verify} ...` (not meant to be run by hand).
+`python -m megatron_patch.conversion.worker {hf2mcore|verify} ... --status-dir DIR` (not meant to be run by
+hand). Each process writes its outcome to DIR/rank_<r>.json, {"status": 0 | 2 | 3, "message": ...}: the parent
+reads its workers' verdict there, not from torchrun's log.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
-from typing import List
+from typing import List, Optional
 
 
 def _engine_config(args, extra: List[str]):
@@ -26,6 +29,15 @@ def _engine_config(args, extra: List[str]):
     cfg = parse_args(flags)
     cfg.seq_length = min(cfg.max_position_embeddings or args.seq, args.seq)
     return cfg
+
+
+def verify_length(cfg, seq: int) -> int:
+    """Positions verify runs: every row of learned position embeddings (a wrong row beyond `seq` would
+    otherwise never be compared); with RoPE, which has no per-position weights, `seq` (at most the model's
+    maximum)."""
+    if cfg.position_embedding_type == "learned_absolute" and cfg.max_position_embeddings:
+        return cfg.max_position_embeddings
+    return min(cfg.max_position_embeddings or seq, seq)
 
 
 def _moe_layout(cfg) -> None:
@@ -84,7 +96,7 @@ def verify_checkpoint(args) -> int:
             setattr(cfg, key, reader.config[key])
     cfg.model_vocab_size, cfg.padded_vocab_size = info["vocab_size"], info["padded_vocab_size"]
     cfg.vocab_size = cfg.model_vocab_size  # the random tokens of --mock-data, unused here
-    cfg.seq_length = min(cfg.max_position_embeddings or args.seq, args.seq)
+    cfg.seq_length = verify_length(cfg, args.seq)
     _moe_layout(cfg)
     initialize(cfg)
     model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
@@ -106,6 +118,16 @@ def verify_checkpoint(args) -> int:
     return 0 if ok else 3
 
 
+def _report(status_dir: Optional[str], status: int, message: str = "") -> None:
+    """This process's outcome, for the parent (convert.run_workers)."""
+    if status_dir:
+        rank = int(os.environ.get("RANK", "0"))
+        tmp = os.path.join(status_dir, f".rank_{rank}.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump({"status": status, "message": message}, f)
+        os.replace(tmp, os.path.join(status_dir, f"rank_{rank}.json"))  # whole or absent
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("task", choices=["hf2mcore", "verify"])
@@ -121,6 +143,7 @@ def main(argv=None) -> int:
     p.add_argument("--hf-dtype")
     p.add_argument("--dtype", help="verify: round the checkpoint's weights to this torch dtype first (the export's)")
     p.add_argument("--debug", action="store_true")
+    p.add_argument("--status-dir", help="where this process writes its outcome (rank_<r>.json)")
     args = p.parse_args(argv)
     from megatron_patch.config import ConfigError
     from megatron_patch.conversion.hf_io import HFCheckpointError
@@ -129,10 +152,13 @@ def main(argv=None) -> int:
     from megatron_patch.training.checkpoint import CheckpointError
 
     try:
-        return hf2mcore(args) if args.task == "hf2mcore" else verify_checkpoint(args)
+        status = hf2mcore(args) if args.task == "hf2mcore" else verify_checkpoint(args)
+        _report(args.status_dir, status)
+        return status
     except (ConversionError, HFCheckpointError, CheckpointError, ConfigError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"conversion error: {e}", file=sys.stderr, flush=True)
+        _report(args.status_dir, 2, str(e))
         return 2
     finally:
         destroy()
