@@ -107,10 +107,17 @@ def build_parser() -> argparse.ArgumentParser:
                    "model's maximum, at most 512)")
     g.add_argument("--num-experts", type=int)
     g.add_argument("--ffn-hidden-size", type=int, help="MLP width (default 4 x hidden size); " + shape)
-    g.add_argument("--hidden-dropout", type=float, help="Megatron models (default 0.1)")
-    g.add_argument("--attention-dropout", type=float, help="Megatron models (default 0.1)")
-    g.add_argument("--init-method-std", type=float, help="Megatron models: std of the normal weight init (0.02)")
-    g.add_argument("--make-vocab-size-divisible-by", type=int, help="Megatron models: pad the vocabulary (128)")
+    hf_setting = ("; a Hugging Face model the black-box tasks load gets it in its config ({}); one a script "
+                  "builds must have it there")
+    g.add_argument("--hidden-dropout", type=float, help="Megatron models (default 0.1)"
+                   + hf_setting.format("hidden_dropout_prob, resid_pdrop/embd_pdrop, dropout ..."))
+    g.add_argument("--attention-dropout", type=float, help="Megatron models (default 0.1)"
+                   + hf_setting.format("attention_probs_dropout_prob, attn_pdrop, attention_dropout ..."))
+    g.add_argument("--init-method-std", type=float, help="Megatron models: std of the normal weight init (0.02)"
+                   + hf_setting.format("initializer_range: the weights the directory does not hold, e.g. a new "
+                                       "classification head"))
+    g.add_argument("--make-vocab-size-divisible-by", type=int, help="Megatron models: pad the vocabulary (128); "
+                   "refused for Hugging Face models (their config gives the vocabulary)")
 
     g = p.add_argument_group("training")
     g.add_argument("--save", help="where the trained model is saved (save_pretrained; fine-tuning: with its "
@@ -132,8 +139,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--epochs", type=int, help="passes over the training set (epoch-based fine-tuning)")
     g.add_argument("--seed", type=int, default=1234)
     g.add_argument("--log-interval", type=int, default=100, help="log a training line every N steps")
-    g.add_argument("--eval-interval", type=int, default=1000, help="pretraining: validate every N iterations")
-    g.add_argument("--eval-iters", type=int, default=10, help="pretraining: validation batches per evaluation")
+    g.add_argument("--eval-interval", type=int, default=1000, help="pretraining: validate every N iterations; "
+                   "fine-tuning (when given): also evaluate every N optimizer steps, besides after every epoch")
+    g.add_argument("--eval-iters", type=int, default=10, help="pretraining: validation batches per evaluation "
+                   "(fine-tuning evaluates the whole validation split)")
     g.add_argument("--save-interval", type=int, help="pretraining: write a checkpoint to --save every N iterations "
                    "(and at the end); --load DIR resumes from it")
     _bool(g, "--eval-at-start", help="also evaluate before training (reported as epoch 0)")
@@ -166,11 +175,34 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_UNSET = object()
+
+
+def _given(argv: Optional[List[str]], dests) -> frozenset:
+    """The dests set on the command line: parsed again into a namespace already holding a marker for every dest,
+    so argparse applies no default (a flag left at its default and one given with the default value differ)."""
+    marked = argparse.Namespace(**dict.fromkeys(dests, _UNSET))
+    return frozenset(k for k, v in vars(build_parser().parse_args(argv, namespace=marked)).items() if v is not _UNSET)
+
+
+def given_flags(args: argparse.Namespace) -> frozenset:
+    """The dests the user gave (`args.given`, set by parse_args). A namespace built another way (a test, a script's
+    own Namespace) has none recorded: then the dests whose value differs from the parser's default."""
+    given = getattr(args, "given", None)
+    if given is not None:
+        return given
+    defaults = vars(build_parser().parse_args([]))
+    return frozenset(k for k, v in vars(args).items() if k in defaults and v != defaults[k])
+
+
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     """Parse the command line and add the names the documented samples read: `dataset_path`/`dataset_name`
     (= --data-path/--data-name), `load` (defaults to --pretrained-model-name-or-path) and `causal_lm` for
-    the guide's `casual_lm`. Raises SystemExit(2) with argparse's message on an unknown flag."""
+    the guide's `casual_lm`; `given` is the set of dests given on the command line (the front end's rules fill
+    in defaults later, and a flag must not be refused for a value it was never given). Raises SystemExit(2)
+    with argparse's message on an unknown flag."""
     args = build_parser().parse_args(argv)
+    args.given = _given(argv, vars(args))
     args.dataset_path, args.dataset_name = args.data_path, args.data_name
     if args.load is None:
         args.load = args.pretrained_model_name_or_path

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .arguments import FINETUNE_TASKS, UsageError
+from .arguments import FINETUNE_TASKS, TASKS, UsageError
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -86,15 +86,28 @@ def check_data(args: argparse.Namespace) -> None:
 
 
 def check_shapes(args: argparse.Namespace) -> None:
-    """Black-box fine-tuning loads the model directory as it is: a shape flag must agree with its config
-    (the same rule the templates apply to the model a script builds, `templates.shape_flags`)."""
-    from megatron_patch.templates.shape_flags import SHAPE_FLAGS, mismatches
+    """What the model directory of a black-box run decides, from its config: fine-tuning loads the model as it
+    is, so a shape flag must agree with its config (the same rule the templates apply to the model a script
+    builds, `templates.shape_flags`); a setting flag (--hidden-dropout ...) needs a config that has the setting;
+    --task pretraining's model kind (BERT-style or causal) says which data flags act (`flag_use`)."""
+    from megatron_patch.templates.shape_flags import SETTING_FLAGS, SHAPE_FLAGS, config_settings, mismatches
 
-    if args.user_script or args.task not in FINETUNE_TASKS or all(getattr(args, f) is None for f in SHAPE_FLAGS):
+    if args.user_script or args.task not in TASKS:
+        return
+    pretraining = args.task == "pretraining"
+    flags = [*SHAPE_FLAGS, *SETTING_FLAGS]
+    if not pretraining and all(getattr(args, f) is None for f in flags):
         return
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(args.load)
+    config = AutoConfig.from_pretrained(args.pretrained_model_name_or_path if pretraining else args.load)
+    config_settings(args, config)  # a ConfigError (a ValueError) when the config has no such setting
+    if pretraining:
+        from .flag_use import refuse_unused
+        from .tasks.pretraining import model_kind
+
+        refuse_unused(args, ("pt",), model_kind(config))
+        return
     bad = mismatches(args, config)
     if bad:
         flags = " ".join(f"--{f.replace('_', '-')} {given}" for f, (_, _, given) in bad.items())

@@ -1,8 +1,9 @@
 """The front end's own rules (the parameter guide's notes), checked before any worker starts.
 
 `check(args, world_size)` raises UsageError for a command that cannot run, in a sentence naming the flags
-and the fix, and fills in the defaults of flags the guide marks required but the how-to's own commands
-leave out, each named in `args.notes` (printed once, as a log line each).
+and the fix (a flag the run would ignore included: `flag_use`), and fills in the defaults of flags the guide
+marks required but the how-to's own commands leave out, each named in `args.notes` (printed once, as a log
+line each).
 """
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import argparse
 import os
 
 from .arguments import FINETUNE_TASKS, UsageError
+from .flag_use import refuse_unused, run_kinds
 
 DEFAULT_EPOCHS = 3
 DEFAULT_LR = 5e-5
@@ -148,4 +150,6 @@ def check(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
         check_combination(args)
     except ValueError as e:
         raise UsageError(str(e)) from None
+    # last, so the specific refusals above speak first; what the model decides: preflight and the templates
+    refuse_unused(args, run_kinds(args))
     return args

@@ -7,7 +7,8 @@ Hooks (the how-to's white-box section):
 - `run_compute_metrics(model, eval_dataloader)` -> a dict of metrics; `model` is a list (one entry), as in
   the document.
 `train()` applies the acceleration switches, runs the epochs (or --train-iters steps) with gradient
-accumulation, evaluates after every epoch, reports, and saves with `save_pretrained` to --save.
+accumulation, evaluates after every epoch (and every --eval-interval steps when that flag is given), reports,
+and saves with `save_pretrained` to --save. Flags a fine-tuning run does not use are refused (cli/flag_use.py).
 """
 from __future__ import annotations
 
@@ -112,8 +113,15 @@ class Finetuner:
         --save. Returns the last validation metrics."""
         from megatron_patch.accelerations import mark_step, uses_cuda_graphs
 
+        from megatron_patch.cli.arguments import given_flags
+        from megatron_patch.cli.flag_use import refuse_unused
+        from megatron_patch.config import ConfigError
+
         args, log = self.args, get_logger()
+        refuse_unused(args, ("finetuner",) if args.user_script else ("ft",), error=ConfigError)
         graphs = uses_cuda_graphs(args)
+        # --eval-interval N (when given; its default is pretraining's): also evaluate every N optimizer steps
+        every = args.eval_interval if "eval_interval" in given_flags(args) else 0
         train_ds, valid_ds, test_ds, collate_fn = self.train_valid_test_datasets_provider()
         acc, scheduler = self._accelerate()
         model, optimizer, self.precision = acc.model, acc.optimizer, acc.precision
@@ -134,7 +142,7 @@ class Finetuner:
         reporter = MetricsReporter(args, self.engine.rank)
         if args.eval_at_start and valid_loader is not None:
             reporter.evaluation(0, 0, "validation", self.evaluate(valid_loader, model))
-        step, metrics = 0, {}
+        step, metrics, evaluated = 0, {}, -1
         model.train()  # from_pretrained returns a model in eval mode: dropout off, and ORT would export inference
         for epoch in range(1, epochs + 1):
             if hasattr(train_loader.sampler, "set_epoch"):
@@ -161,8 +169,11 @@ class Finetuner:
                     step += 1
                     bar.update(1)
                     reporter.step(step, total, epoch, scheduler.get_last_lr()[0], grad_norm, skipped)
-            if valid_loader is not None:
-                metrics = self.evaluate(valid_loader, model)
+                    if every and valid_loader is not None and step % every == 0:
+                        metrics, evaluated = self.evaluate(valid_loader, model), step
+                        reporter.evaluation(epoch, step, "validation", metrics, in_epoch=True)
+            if valid_loader is not None and evaluated != step:  # after every epoch, unless just evaluated
+                metrics, evaluated = self.evaluate(valid_loader, model), step
                 reporter.evaluation(epoch, step, "validation", metrics)
             if step >= total:
                 break

@@ -23,7 +23,7 @@ from .globals import get_logger
 _CONFIG: Optional[Config] = None
 
 # rapidformer flags whose engine name differs; every other Config field is taken by its own name
-_RENAMED = {"torch_compile": "compile"}
+_RENAMED = {"torch_compile": "compile", "torch_compile_mode": "compile_mode"}
 # Hugging Face-only switches: the Megatron engine shards with ZeRO-1/2 (its distributed optimizer, Megatron-FSDP)
 _HF_ONLY = ("oss_memory_optimization", "oss_sdp_memory_optimization", "fsdp_memory_optimization",
             "onnx_runtime_training")
@@ -35,7 +35,8 @@ def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Confi
     says whether it is a Megatron model."""
     names = {f.name for f in dataclasses.fields(Config)}
     switches = {"zero_1_memory_optimization", "zero_2_memory_optimization", "zero_3_memory_optimization", "bf16",
-                "fp16", "mixed_precision", "checkpoint_activations", "cpu_offload", "compile"}
+                "fp16", "mixed_precision", "checkpoint_activations", "cpu_offload", "compile",
+                "compile_mode"}
     values = {}
     for key, value in vars(args).items():
         key = _RENAMED.get(key, key)

@@ -46,6 +46,7 @@ class PreTrainer:
     # ---- the loop --------------------------------------------------------------------------------------------
     def train(self) -> List[dict]:
         """Pretrain for --train-iters iterations; returns one dict of metrics per iteration."""
+        from megatron_patch.cli.flag_use import refuse_unused
         from megatron_patch.config import ConfigError
         from megatron_patch.parallel import initialize
         from megatron_patch.training.data import sample_counts
@@ -55,10 +56,9 @@ class PreTrainer:
         args, log = self.args, get_logger()
         if not args.train_iters:
             raise ConfigError("pretraining is iteration-based: give --train-iters N (--epochs is for fine-tuning)")
-        if getattr(args, "reset_attention_mask", False):
-            raise ConfigError("--reset-attention-mask is not supported: the engine's attention (SDPA) runs causal "
-                              "attention over the whole packed sequence and does not take a per-document mask; drop "
-                              "the flag (--reset-position-ids still restarts positions at each document)")
+        # flags no pretraining run reads (--epochs, --eval-at-start ...); the rest once the model says its kind
+        kind = "pt" if args.task == "pretraining" and not args.user_script else "hf"
+        refuse_unused(args, (kind, "mg"), error=ConfigError)
         base = pretrain_megatron.engine_config(args, accelerations=False)
         initialize(base)  # process groups, then seeds: the engine's order, so the hooks draw the same numbers
         pretrain_megatron.set_current_config(base, base.world_size)
@@ -79,11 +79,13 @@ class PreTrainer:
                 log.warning("a Megatron model trains with the engine's optimizer and schedule (from --optimizers, "
                             "--lr, --lr-decay-style ...): the optimizer/scheduler from "
                             "model_optimizer_lr_scheduler_provider() are not used")
+            refuse_unused(args, ("mg",), error=ConfigError)
             log.info("model: a megatron-core model: training with the engine (TP/PP schedules, ZeRO, recompute)")
             return pretrain_megatron.run(self, cfg, (train_ds, valid_ds, test_ds), model)
         from . import pretrain_hf
         from .shape_flags import check_shape_flags
 
+        refuse_unused(args, (kind,), error=ConfigError)
         check_shape_flags(args, model, "model_optimizer_lr_scheduler_provider()")
         return pretrain_hf.run(self, base, (train_ds, valid_ds, test_ds), model, optimizer, scheduler)
 

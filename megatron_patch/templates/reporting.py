@@ -81,11 +81,14 @@ class MetricsReporter:
         self._loss_sum, self._loss_count, self._samples = None, 0, 0
         self._tick = time.perf_counter()
 
-    def evaluation(self, epoch: int, step: int, split: str, metrics: Dict) -> None:
+    def evaluation(self, epoch: int, step: int, split: str, metrics: Dict, in_epoch: bool = False) -> None:
+        """One line (and a JSON line, TensorBoard scalars) per evaluation; `in_epoch`: one of --eval-interval's,
+        which names its step too."""
         if self.rank != 0 or not metrics:
             return
         values = {k: (float(v) if isinstance(v, (int, float)) or torch.is_tensor(v) else v) for k, v in metrics.items()}
-        self.log.info(f"epoch {epoch} | " + " | ".join(f"{split} {k} {_format(v)}" for k, v in values.items()))
+        where = f"epoch {epoch} step {step}" if in_epoch else f"epoch {epoch}"
+        self.log.info(f"{where} | " + " | ".join(f"{split} {k} {_format(v)}" for k, v in values.items()))
         if self.writer:
             for k, v in values.items():
                 if isinstance(v, float):

@@ -62,7 +62,17 @@ class BlackBoxFinetuner(Finetuner):
         return out[0], out[1], out[2], self.collate_fn()
 
     def model_optimizer_lr_scheduler_provider(self):
-        model = self.auto_class.from_pretrained(self.args.load, **self.model_kwargs())
+        from transformers import AutoConfig
+
+        from megatron_patch.templates.shape_flags import config_settings
+
+        # --hidden-dropout, --attention-dropout, --init-method-std go into the config the model is built from
+        # (the init std reaches the weights the directory does not hold, e.g. a new classification head)
+        settings = config_settings(self.args, AutoConfig.from_pretrained(self.args.load))
+        if settings:
+            get_logger().info("model config: " + ", ".join(f"{k} {v}" for k, v in settings.items())
+                              + " (--hidden-dropout, --attention-dropout, --init-method-std)")
+        model = self.auto_class.from_pretrained(self.args.load, **self.model_kwargs(), **settings)
         return model, None, None
 
     def model_inputs(self, batch: Dict) -> Dict:

@@ -6,7 +6,9 @@ next-sentence head, e.g. BertForPreTraining) learns masked LM + next-sentence pr
 learns next-token prediction on document data (the `_text_document` prefix). The shape flags (--num-layers,
 --hidden-size, --num-attention-heads, --max-position-embeddings, --ffn-hidden-size) either match the directory's
 config, and training starts from its weights, or they differ, and a model of the flags' shape starts from new
-weights; the log says which. The trained model is written with `save_pretrained` to --save.
+weights; the log says which. --hidden-dropout, --attention-dropout and --init-method-std go into the model's config;
+a causal LM takes --eod-mask-loss and --reset-position-ids as Megatron-LM does (a BERT-style model refuses them, as
+a causal LM refuses --mask-prob: cli/flag_use.py). The trained model is written with `save_pretrained` to --save.
 """
 from __future__ import annotations
 
@@ -16,9 +18,10 @@ from typing import Dict, Tuple
 import torch
 
 from megatron_patch.cli.arguments import UsageError
+from megatron_patch.cli.flag_use import refuse_unused
 from megatron_patch.templates.globals import get_logger
 from megatron_patch.templates.pretrainer import PreTrainer
-from megatron_patch.templates.shape_flags import mismatches
+from megatron_patch.templates.shape_flags import config_settings, mismatches
 
 
 def model_kind(config) -> str:
@@ -67,6 +70,9 @@ class BlackBoxPreTrainer(PreTrainer):
 
         self.config = AutoConfig.from_pretrained(self.args.pretrained_model_name_or_path)
         self.kind = model_kind(self.config)
+        # what only the model's kind decides (--mask-prob for BERT, --eod-mask-loss for a causal LM ...); the
+        # launching process has said it already (preflight), this covers a worker started another way
+        refuse_unused(self.args, ("pt",), self.kind)
         if self.args.seq_length is None:
             self.args.seq_length = 128 if self.kind == "bert" else 512
             get_logger().info(f"--seq-length not given: using {self.args.seq_length}")
@@ -98,13 +104,18 @@ class BlackBoxPreTrainer(PreTrainer):
         path = self.args.pretrained_model_name_or_path
         config, changes = shaped_config(self.args, self.config, get_tokenizer().vocab_size)
         log = get_logger()
+        settings = config_settings(self.args, config)  # --hidden-dropout, --attention-dropout, --init-method-std
+        if settings:
+            config = type(config).from_dict({**config.to_dict(), **settings})
+            log.info("model config: " + ", ".join(f"{k} {v}" for k, v in settings.items())
+                     + " (--hidden-dropout, --attention-dropout, --init-method-std)")
         if changes:
             what = ", ".join(f"{k} {old} -> {new}" for k, (old, new) in changes.items())
             log.info(f"model: new weights (the shape flags differ from {path}: {what})")
             model = auto.from_config(config)
         else:
             log.info(f"model: starting from the weights in {path} (the shape flags match its config)")
-            model = auto.from_pretrained(path)
+            model = auto.from_pretrained(path, config=config)
         return model, None, None
 
     def run_forward_step(self, data_iterator, model):
@@ -116,9 +127,22 @@ class BlackBoxPreTrainer(PreTrainer):
             return model(**mpu.broadcast_data(keys, data, torch.int64))["loss"]
         text = mpu.broadcast_data(["text"], data, torch.int64)["text"]
         tokens, labels = text[:, :-1], text[:, 1:]
-        logits = model(input_ids=tokens).logits
-        # every position predicts the next token (seq_length predictions per sample, as the engine counts them)
-        return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+        a = self.args
+        if not (a.eod_mask_loss or a.reset_position_ids):
+            logits = model(input_ids=tokens).logits
+            # every position predicts the next token (seq_length predictions per sample, as the engine counts them)
+            return torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1))
+        from megatron_patch.templates.gpt_samples import get_ltor_masks_and_position_ids
+        from megatron_patch.templates.pretraining_data import get_tokenizer
+
+        # Megatron-LM's masks: positions restart after each end-of-document token; no loss where one is the input
+        _, loss_mask, position_ids = get_ltor_masks_and_position_ids(tokens, get_tokenizer().eod, a.reset_position_ids,
+                                                                     False, a.eod_mask_loss)
+        logits = model(input_ids=tokens, position_ids=position_ids).logits
+        losses = torch.nn.functional.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1),
+                                                   reduction="none")
+        loss_mask = loss_mask.reshape(-1)
+        return (losses * loss_mask).sum() / loss_mask.sum().clamp(min=1)
 
     def train(self):
         history = super().train()
