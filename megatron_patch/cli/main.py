@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
+from megatron_patch.compat.quiet import quiet_known_noise
+
 from .arguments import UsageError, parse_args
 from .launch import nodes, run_workers, workers_per_node
 from .rules import check
@@ -11,6 +13,7 @@ from .rules import check
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    quiet_known_noise()  # this process runs the single worker itself
     args = parse_args(argv)
     try:
         nproc = workers_per_node(args.nproc_per_node)
