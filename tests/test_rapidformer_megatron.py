@@ -215,11 +215,67 @@ def test_transformers_load_report_is_printed_by_rank_0_only(tmp_path):
         transformers.BertForPreTraining.from_pretrained({str(tmp_path / "bert")!r})
         warnings.warn("an unknown warning")
     """)
-    said = {}
-    for rank in ("0", "1"):
+    procs = {}
+    for rank in ("0", "1"):  # side by side, as two workers start
         env = dict({k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}, RANK=rank, PYTHONPATH=ROOT)
-        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
-        assert proc.returncode == 0, explain(proc)
-        said[rank] = proc.stdout + proc.stderr
+        procs[rank] = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                       text=True, env=env)
+    said = {}
+    for rank, proc in procs.items():
+        said[rank] = proc.communicate(timeout=300)[0]
+        assert proc.returncode == 0, said[rank][-3000:]
     assert "LOAD REPORT" in said["0"] and "LOAD REPORT" not in said["1"]
     assert all("an unknown warning" in s for s in said.values())
+
+
+# ---- 4. --mixed-precision with ONNX Runtime --------------------------------------------------------------------------------
+def test_precision_line_says_where_fp16_runs_under_onnx_runtime():
+    from megatron_patch.accelerations.precision import Precision
+
+    fp16 = Precision(torch.float16, torch.device("cpu"))
+    text = fp16.describe(onnx_runtime=True)
+    assert "fp16 autocast recorded into ONNX Runtime's graph" in text and "about 1.7x slower" in text, text
+    assert "about 10x slower" in fp16.describe() and "ONNX" not in fp16.describe()
+    assert "bf16 autocast recorded into ONNX Runtime's graph" in Precision(torch.bfloat16, torch.device("cpu")).describe(
+        onnx_runtime=True)
+
+
+ORT_FP16 = textwrap.dedent("""
+    import sys, torch, transformers
+    from megatron_patch.accelerations import accelerate
+    from megatron_patch.cli.arguments import parse_args
+    flags = ["--task", "sequence_classification", "--pretrained-model-name-or-path", "m", "--data-path", "d",
+             "--onnx-runtime-training", "--weight-decay", "0", "--lr", "1e-3"] + sys.argv[1:]
+    args = parse_args(flags)
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=128, hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                     intermediate_size=128, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0)
+    acc = accelerate(transformers.BertForSequenceClassification(config).train(), args, torch.device("cpu"))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(1))
+    with acc.precision.autocast():
+        out = acc.model(input_ids=ids, labels=torch.tensor([0, 1, 0, 1]))
+    acc.precision.backward(out.loss)
+    graph = acc.model._torch_module._execution_manager(True)._onnx_models.optimized_model.graph
+    to_fp16 = sum(1 for n in graph.node if n.op_type == "Cast" for a in n.attribute if a.name == "to" and a.i == 10)
+    print("RESULT", out.logits.dtype, to_fp16, acc.applied[-1])
+""")
+
+
+@pytest.mark.slow  # the first use of ONNX Runtime compiles its C++ extensions (minutes); then ~30 s
+def test_mixed_precision_runs_in_fp16_inside_the_onnx_runtime_graph():
+    """--mixed-precision with --onnx-runtime-training (accelerate(), as the templates call it): the exported graph
+    casts to fp16 and the logits come back in fp16; without it, no fp16 cast and fp32 logits."""
+    from megatron_patch.accelerations import ort_available
+
+    if not ort_available():
+        pytest.skip("ONNX Runtime training is an optional extra: pip install onnxruntime-training-cpu==1.19.2")
+    results = {}
+    for extra in ([], ["--mixed-precision"]):
+        proc = subprocess.run([sys.executable, "-c", ORT_FP16, *extra], capture_output=True, text=True, cwd=ROOT,
+                              timeout=1800)
+        assert proc.returncode == 0, explain(proc)
+        results[bool(extra)] = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT"))
+    assert results[False].startswith("RESULT torch.float32 0 precision: fp32"), results
+    assert results[True].startswith("RESULT torch.float16 "), results
+    assert int(results[True].split()[2]) > 0 and "recorded into ONNX Runtime's graph" in results[True], results
