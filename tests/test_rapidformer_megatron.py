@@ -184,6 +184,21 @@ def test_cpu_offload_answer_does_not_depend_on_the_zero_flag(monkeypatch):
     assert parse_args(base + ["--cpu-offload", "--zero-1-memory-optimization"]).validate(1).cpu_offload
 
 
+def test_engine_moe_bias_limits_in_one_sentence_each():
+    """The engine's MoE accepts the default linear biases where megatron-core can train them (whole experts per
+    rank) and names the fix elsewhere."""
+    from megatron_patch.config import ConfigError, parse_args
+
+    base = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--num-experts", "4"]
+    assert parse_args(base).validate(1).num_experts == 4
+    assert parse_args(base + ["--tensor-model-parallel-size", "2", "--sequence-parallel",
+                              "--expert-tensor-parallel-size", "1"]).validate(2).expert_data_parallel_size == 2
+    with pytest.raises(ConfigError, match="supports expert biases only at --expert-tensor-parallel-size 1 .it is 2"):
+        parse_args(base + ["--tensor-model-parallel-size", "2", "--sequence-parallel"]).validate(2)
+    with pytest.raises(ConfigError, match="--moe-grouped-gemm computes the experts without biases"):
+        parse_args(base + ["--moe-grouped-gemm"]).validate(1)
+
+
 def test_blackbox_pretraining_refuses_before_any_worker_starts():
     """--task pretraining trains a Hugging Face model: --num-experts is refused in words, and the run's settings
     are validated by the front end (the same check PreTrainer.train() makes first in every worker)."""

@@ -66,6 +66,9 @@ def validate_moe(c: Config, world_size: int, tp: int, pp: int) -> int:
         _fail(f"--moe-grouped-gemm runs each expert whole on its rank; the expert tensor-parallel size is {etp} "
               f"(--expert-tensor-parallel-size, default --tensor-model-parallel-size): pass "
               f"--expert-tensor-parallel-size 1")
+    if c.moe_grouped_gemm and not c.disable_bias_linear:
+        _fail("--moe-grouped-gemm computes the experts without biases, and linear biases are on: pass "
+              "--disable-bias-linear with it")
     if c.moe_grouped_gemm and c.zero_2_memory_optimization:
         _fail("--moe-grouped-gemm reads the experts' weights directly, which Megatron-FSDP (ZeRO-2) shards per "
               "module: use --zero-1-memory-optimization or no ZeRO with it")
