@@ -138,7 +138,8 @@ BASE = ["--mock-data", "--num-layers", "2", "--hidden-size", "64", "--num-attent
 
 
 @pytest.mark.parametrize("extra,world,match", [
-    (["--num-experts", "4"], 1, "--num-experts needs --disable-bias-linear"),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
+     "megatron-core supports expert biases only at --expert-tensor-parallel-size 1 (it is 2"),
     (["--num-experts", "3", "--expert-model-parallel-size", "2", "--disable-bias-linear"], 2, "not divisible by --expert-model-parallel-size 2"),
     (["--num-experts", "4", "--expert-model-parallel-size", "4", "--disable-bias-linear"], 2, "world size 2 is not divisible by --expert-tensor-parallel-size 1 x --expert-model-parallel-size 4"),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2", "--disable-bias-linear"], 2, "needs --sequence-parallel"),

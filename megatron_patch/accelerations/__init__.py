@@ -149,5 +149,5 @@ def accelerate(model: torch.nn.Module, args, device: torch.device,
                        f"{local}; DDP all-reduces whole gradients)")
     # 6. precision
     precision = precision_for(args, device)
-    applied.append(precision.describe())
+    applied.append(precision.describe(onnx_runtime=bool(getattr(args, "onnx_runtime_training", False))))
     return Accelerated(model=model, optimizer=optimizer, precision=precision, applied=applied)

@@ -13,6 +13,12 @@ updates. What we know about the package (measured, see compat/onnx_runtime.py):
   never trains without it while claiming to.
 * ORTModule fixes the model's input signature at export: calling it in training mode with other keyword
   arguments (e.g. without `labels`) fails; evaluation (`model.eval()`) exports a graph of its own.
+* The export traces the model under the autocast of its first forward: with --mixed-precision the graph holds
+  casts to fp16 around the matrix multiplies and ONNX Runtime runs them in fp16 (measured on a 2-layer BERT,
+  hidden 256: 37 fp16 casts in the graph, fp16 logits, the loss after 6 steps 0.172789 against PyTorch's fp16
+  autocast 0.172783 and fp32 0.172707: differences a 4-decimal log line does not show; per step 1.7x the time of
+  the fp32 graph on one CPU thread, where eager fp16 takes 24x). Autocast after the export changes nothing: the
+  first forward must run inside `precision.autocast()`, as the templates do.
 * It runs under DDP, fp16/bf16 autocast and activation checkpointing. With FSDP2 (ZeRO-2/3) it is refused
   in check_combination: ORTModule feeds its graph the parameters it saw at export, while FSDP2 swaps every
   layer's parameters between shards and gathered tensors around each forward and backward.

@@ -10,7 +10,10 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from typing import List
+
+from . import status
 
 
 def visible_gpus() -> int:
@@ -55,7 +58,8 @@ def torchrun_command(argv: List[str], nproc: int) -> List[str]:
 
 
 def run_workers(argv: List[str], nproc: int) -> int:
-    """Run the workers for `argv` and return the exit status."""
+    """Run the workers for `argv` and return the exit status: 2 when they stopped at a usage error (its message
+    printed once, see status.py), else theirs."""
     if nproc == 1 and nodes() == 1:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -63,4 +67,12 @@ def run_workers(argv: List[str], nproc: int) -> int:
         from .worker import main as worker_main
 
         return worker_main(argv)
-    return subprocess.call(torchrun_command(argv, nproc))
+    # OMP_NUM_THREADS: torchrun's own default (1 per worker), set here so that it prints no banner about it
+    env = {"OMP_NUM_THREADS": "1", **os.environ}
+    with tempfile.TemporaryDirectory(prefix="rapidformer_status_") as directory:
+        code = subprocess.call(torchrun_command(argv, nproc), env={**env, status.ENV: directory})
+        message = status.first_usage_error(directory)
+    if message is not None:
+        print(f"rapidformer: error: {message}", file=sys.stderr, flush=True)
+        return status.USAGE_ERROR
+    return code

@@ -19,6 +19,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         # the model and the data first: neither check imports torch, so a mistake there is reported at once
         check_model(args)
         check_data(args)
+        from megatron_patch.compat.quiet import quiet_known_noise  # imports torch: after the quick checks
+
+        quiet_known_noise()  # this process may run the single worker itself
         nproc = workers_per_node(args.nproc_per_node)
         check(args, world_size=nproc * nodes())
         check_shapes(args)

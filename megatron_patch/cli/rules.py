@@ -60,6 +60,25 @@ def _check_parallelism(args: argparse.Namespace) -> None:
                          "pretraining models, not added to a Hugging Face model being fine-tuned: drop the flag")
 
 
+def _check_blackbox_pretraining(args: argparse.Namespace, world_size: int) -> None:
+    """--task pretraining trains the Hugging Face model directory: what its PreTrainer would refuse in every
+    worker is refused here, before any worker starts."""
+    if args.task != "pretraining" or args.user_script:
+        return
+    if args.num_experts:
+        raise UsageError(f"--num-experts {args.num_experts}: --task pretraining trains the Hugging Face model in "
+                         "--pretrained-model-name-or-path, whose config says whether it has experts; mixture-of-"
+                         "experts layers are built in Megatron models (a --user-script PreTrainer whose model is "
+                         "megatron_patch.models.GPTModel()): drop the flag")
+    from megatron_patch.config import ConfigError
+    from megatron_patch.templates.pretrain_megatron import engine_config
+
+    try:  # the settings PreTrainer.train() validates first (the run's shape, schedule and data)
+        engine_config(args, accelerations=False).validate(world_size)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+
+
 def _check_schedule(args: argparse.Namespace, world_size: int) -> None:
     if args.lr_warmup_fraction is not None and args.lr_warmup_iters is not None:
         raise UsageError("--lr-warmup-fraction and --lr-warmup-iters both given: use one")
@@ -140,6 +159,7 @@ def check(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     _check_parallelism(args)
     _check_schedule(args, world_size)
     _check_compile(args)
+    _check_blackbox_pretraining(args, world_size)
     if args.metrics_file is None and args.save:
         args.metrics_file = os.path.join(args.save, "metrics.jsonl")
     if args.tensorboard_dir is None and args.save:

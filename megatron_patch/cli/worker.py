@@ -7,12 +7,14 @@ import runpy
 import sys
 from typing import List, Optional
 
+from megatron_patch.compat.quiet import quiet_known_noise
 from megatron_patch.templates.globals import get_logger, set_args
 from megatron_patch.training.entry import destroy_process_groups
 
 from .arguments import UsageError, parse_args
 from .preflight import offline
 from .rules import check
+from .status import report_usage_error
 
 
 def _user_errors() -> tuple:
@@ -27,12 +29,13 @@ def _user_errors() -> tuple:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     offline()
-    args = check(parse_args(argv), world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    set_args(args)
-    log = get_logger()
-    for note in args.notes:
-        log.info(note)
+    quiet_known_noise()
     try:
+        args = check(parse_args(argv), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        set_args(args)
+        log = get_logger()
+        for note in args.notes:
+            log.info(note)
         if args.user_script:
             sys.argv = [args.user_script, *argv]
             runpy.run_path(args.user_script, run_name="__main__")
@@ -41,11 +44,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         run_task(args)
         return 0
-    except _user_errors() as e:
-        # every worker meets the same mistake: one line, from the first
-        if int(os.environ.get("RANK", "0")) == 0:
-            print(f"rapidformer: error: {e}", file=sys.stderr)
-        return 2
+    except _user_errors() as e:  # every worker meets the same mistake: one line, once (status.py)
+        return report_usage_error(e)
     finally:
         destroy_process_groups()
 

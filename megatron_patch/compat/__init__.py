@@ -11,6 +11,8 @@ apply_gpu_fixes()            machines with a GPU (megatron_patch.parallel.initia
 apply_megatron_fsdp_fixes()  before the first Megatron-FSDP (ZeRO-2) model is built (training/loop.py)
 apply_safe_loading()         before any checkpoint is read (training/checkpoint: the Checkpointer applies it)
 apply_onnx_runtime_fixes()   --onnx-runtime-training only, before ORTModule is imported (accelerations/onnx_runtime.py)
+quiet_known_noise()          where a process starts (quiet.py): known harmless warnings of megatron-core, torch and
+                             transformers hidden, or shown by rank 0 only; not a patch (nothing upstream is replaced)
 The apply functions are idempotent and call check_versions() themselves.
 
 The patches, in the order they are applied
@@ -74,6 +76,8 @@ Called at their call sites (not applied globally):
   linear.py        route_linears_through (--gradient-accumulation-fusion: models/wgrad_fusion.py, built chunks)
                    count_linears_without_collective (its log: which linears the fused path takes)
   moe.py           route_experts_through (--moe-grouped-gemm: models/grouped_experts.py, built chunks)
+                   one_rank_reductions_are_identity, expert_biases_not_sequence_parallel (experts with linear
+                   biases: models/gpt.py build_gpt_model)
   optimizer.py     replace_torch_optimizer (LAMB into megatron-core's wrappers), use_fused_adam (GPU),
                    fuse_optimizer_step (--optimizer-step-fusion: training/fused_adam.py, built optimizer),
                    set_param_group_lr_range (resuming: training/checkpoint/checkpointer.py, around loading)
@@ -107,17 +111,20 @@ Adding a workaround
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
 from . import (adam_state, cpu_backend, dynamo, linear, megatron_fsdp, moe, multi_tensor,  # noqa: F401  (registers patches)
                onnx_runtime, optimizer, post_layernorm, safe_loading)
+from .quiet import quiet_known_noise
 from .registry import PATCHES, Patch
 from .versions import TESTED, UntestedVersionWarning, check_versions
 
 __all__ = ["apply_cpu_backend", "apply_megatron_fsdp_fixes", "check_versions", "cpu_backend_enabled",
            "apply_safe_loading", "PATCHES", "Patch", "TESTED", "UntestedVersionWarning", "CPU_BACKEND", "MEGATRON_FSDP",
-           "SAFE_LOADING", "ONNX_RUNTIME", "apply_onnx_runtime_fixes", "APPLIED", "GPU", "apply_gpu_fixes"]
+           "SAFE_LOADING", "ONNX_RUNTIME", "apply_onnx_runtime_fixes", "APPLIED", "GPU", "apply_gpu_fixes",
+           "quiet_known_noise"]
 
 logger = logging.getLogger(__name__)
 
@@ -180,7 +187,8 @@ def apply_cpu_backend() -> None:
     if cpu_backend_enabled():
         return
     _apply(CPU_BACKEND)
-    logger.warning("no GPU found: running megatron-core on the CPU with gloo (megatron_patch.compat.cpu_backend)")
+    if int(os.environ.get("RANK", "0")) == 0:  # the same on every rank: said once
+        logger.warning("no GPU found: running megatron-core on the CPU with gloo (megatron_patch.compat.cpu_backend)")
 
 
 def cpu_backend_enabled() -> bool:

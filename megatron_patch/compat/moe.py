@@ -114,3 +114,69 @@ def route_experts_through(chunks: Iterable[torch.nn.Module], make_forward: Calla
                 module.forward = make_forward(module)
                 count += 1
     return count
+
+
+
+@register(upstream=("megatron/core/tensor_parallel/mappings.py:reduce_from_tensor_model_parallel_region",
+                    "megatron/core/tensor_parallel/mappings.py:reduce_scatter_to_sequence_parallel_region",
+                    "megatron/core/tensor_parallel/mappings.py:_reduce",
+                    "megatron/core/tensor_parallel/mappings.py:_reduce_scatter_along_first_dim",
+                    "megatron/core/tensor_parallel/layers.py:RowParallelLinear.forward",
+                    "megatron/core/transformer/mlp.py:MLP.forward"),
+          fixes="an expert's linear_fc2 (RowParallelLinear) at expert tensor-parallel size 1 without expert "
+                "parallelism still reduces its output through _ReduceFromModelParallelRegion (or, with "
+                "--sequence-parallel, _ReduceScatterToSequenceParallelRegion), which over one rank returns its input "
+                "as-is, so autograd marks the output a view made inside a custom Function; MLP.forward then adds the "
+                "expert's bias in place (`output += output_bias ... * per_token_scale`) and autograd refuses "
+                "('Output 0 of _ReduceFromModelParallelRegionBackward is a view and is being modified inplace'): "
+                "over a group of one rank, return the input without the autograd Function (a reduction over one "
+                "rank is the identity, forward and backward)",
+          fingerprint="09a0cd2cee8a0f4c")
+def one_rank_reductions_are_identity() -> None:
+    """`reduce_from_tensor_model_parallel_region(x, group)` and `reduce_scatter_to_sequence_parallel_region(x,
+    group)` with a group of one rank -> `x` itself, where megatron-core defines them (mappings) and where
+    RowParallelLinear calls them (layers imports them by name); any other group: upstream's. Applied where a
+    model with experts and linear biases is built (models/gpt.py)."""
+    import megatron.core.tensor_parallel.layers as layers
+    import megatron.core.tensor_parallel.mappings as mappings
+
+    upstream_reduce = original(mappings, "reduce_from_tensor_model_parallel_region")
+    upstream_scatter = original(mappings, "reduce_scatter_to_sequence_parallel_region")
+
+    def reduce_from_tensor_model_parallel_region(input_, group=None):
+        group = mappings.get_tensor_model_parallel_group_if_none(group)
+        return input_ if group.size() == 1 else upstream_reduce(input_, group)
+
+    def reduce_scatter_to_sequence_parallel_region(input_, group=None, input_split_sizes=None,
+                                                   use_global_buffer=False):
+        group = mappings.get_tensor_model_parallel_group_if_none(group)
+        if group.size() == 1:
+            return input_
+        return upstream_scatter(input_, group, input_split_sizes, use_global_buffer)
+
+    for module in (mappings, layers):
+        replace(module, "reduce_from_tensor_model_parallel_region", reduce_from_tensor_model_parallel_region)
+        replace(module, "reduce_scatter_to_sequence_parallel_region", reduce_scatter_to_sequence_parallel_region)
+
+
+@register(upstream=("megatron/core/tensor_parallel/layers.py:RowParallelLinear.__init__",
+                    "megatron/core/distributed/finalize_model_grads.py:_allreduce_non_tensor_model_parallel_grads"),
+          fixes="RowParallelLinear marks its bias `sequence_parallel` whenever --sequence-parallel is on, experts' "
+                "too; finalize_model_grads then sums the gradients of such parameters over the tensor-parallel "
+                "group, although an expert's gradients are already reduced over its expert data-parallel group, "
+                "which spans the tensor-parallel ranks at expert tensor-parallel size 1 (the only size megatron-core "
+                "allows expert biases at): the expert linear_fc2 bias gradient came out TP times too large. Clear "
+                "the mark on experts' biases",
+          fingerprint="148d0816b1a69db9")
+def expert_biases_not_sequence_parallel(chunks: Iterable[torch.nn.Module]) -> int:
+    """Set `sequence_parallel = False` on the bias of every expert RowParallelLinear in `chunks` (built model
+    chunks, before training); returns how many."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    count = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, RowParallelLinear) and module.is_expert and module.bias is not None:
+                module.bias.sequence_parallel = False
+                count += 1
+    return count

@@ -67,6 +67,9 @@ def validate_moe(c: Config, world_size: int, tp: int, pp: int) -> int:
         _fail(f"--moe-grouped-gemm runs each expert whole on its rank; the expert tensor-parallel size is {etp} "
               f"(--expert-tensor-parallel-size, default --tensor-model-parallel-size): pass "
               f"--expert-tensor-parallel-size 1")
+    if c.moe_grouped_gemm and not c.disable_bias_linear:
+        _fail("--moe-grouped-gemm computes the experts without biases, and linear biases are on: pass "
+              "--disable-bias-linear with it")
     if c.moe_grouped_gemm and c.zero_2_memory_optimization:
         _fail("--moe-grouped-gemm reads the experts' weights directly, which Megatron-FSDP (ZeRO-2) shards per "
               "module: use --zero-1-memory-optimization or no ZeRO with it")
@@ -96,10 +99,10 @@ def validate_moe(c: Config, world_size: int, tp: int, pp: int) -> int:
               f"--tensor-model-parallel-size {tp} (the shared expert is sliced like a dense MLP)")
     if c.moe_shared_expert_gate and shared is None:
         _fail("--moe-shared-expert-gate gates the shared expert: it needs --moe-shared-expert-intermediate-size")
-    if not c.disable_bias_linear:
-        _fail("--num-experts needs --disable-bias-linear: megatron-core's experts support biases only with "
-              "--expert-tensor-parallel-size 1, and its local-spec experts fail with them at "
-              "--expert-model-parallel-size 1 (an in-place bias add on the row-parallel output's view)")
+    if not c.disable_bias_linear and etp > 1:
+        _fail(f"--num-experts with linear biases (on unless --disable-bias-linear) needs whole experts on each rank: "
+              f"megatron-core supports expert biases only at --expert-tensor-parallel-size 1 (it is {etp}, default "
+              f"--tensor-model-parallel-size); pass --expert-tensor-parallel-size 1 or --disable-bias-linear")
     if tp > 1 and not c.sequence_parallel:
         _fail("--num-experts with --tensor-model-parallel-size > 1 needs --sequence-parallel (megatron-core's MoE "
               "layer refuses to train tensor parallel without it)")
@@ -287,6 +290,9 @@ def validate(c: Config, world_size: int) -> None:
     if c.optimizers == "apex_lamb" and (c.zero_1_memory_optimization or c.zero_2_memory_optimization):
         _fail("--optimizers apex_lamb needs whole parameters for its trust ratio, but "
               "--zero-1-memory-optimization shards them across ranks; use apex_adam with ZeRO, or LAMB without it")
+    if c.cpu_offload and not _has_gpu():  # before the ZeRO rule: no ZeRO flag makes it useful here
+        _fail("--cpu-offload moves the optimizer state from GPU memory to host memory; this machine has no GPU, "
+              "so everything already lives on the CPU: drop --cpu-offload")
     if c.cpu_offload and not (c.zero_1_memory_optimization or c.zero_2_memory_optimization):
         _fail("--cpu-offload keeps the sharded optimizer state on the CPU and needs ZeRO: add "
               "--zero-1-memory-optimization (the documentation requires ZeRO with CPU offload)")
@@ -296,9 +302,6 @@ def validate(c: Config, world_size: int) -> None:
     if c.data_iterator == "dynamic-shape":
         _fail("--data-iterator dynamic-shape applies to document-level samples (the Rapidformer Pretrainer/"
               "Finetuner templates); GPT pretraining samples are packed to --seq-length and carry no padding")
-    if c.cpu_offload and not _has_gpu():
-        _fail("--cpu-offload moves the optimizer state from GPU memory to host memory; this machine has no GPU, "
-              "so everything already lives on the CPU: drop the flag")
     if c.lr_decay_style not in ("constant", "linear", "cosine"):
         _fail(f"--lr-decay-style {c.lr_decay_style!r}: choose constant, linear or cosine")
     if c.lr_warmup_fraction is not None and c.lr_warmup_iters:

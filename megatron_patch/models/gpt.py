@@ -216,6 +216,10 @@ def build_gpt_model(cfg: Config, vocab_size: int, pre_process: bool = True, post
                     vp_stage: Optional[int] = None) -> GPTModel:
     """One pipeline stage (or virtual stage `vp_stage`) of the model, on this rank's device."""
     config = build_transformer_config(cfg)
+    if cfg.num_experts and not cfg.disable_bias_linear:
+        from megatron_patch.compat.moe import one_rank_reductions_are_identity
+
+        one_rank_reductions_are_identity()  # experts add their bias in place to linear_fc2's output
     spec = layer_spec(cfg)
     if cfg.num_experts and resolve_attention_backend(cfg) == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
@@ -245,6 +249,10 @@ def build_gpt_model(cfg: Config, vocab_size: int, pre_process: bool = True, post
         rotary_base=cfg.rotary_base,
         vp_stage=vp_stage,
     )
+    if cfg.num_experts and not cfg.disable_bias_linear and cfg.sequence_parallel:
+        from megatron_patch.compat.moe import expert_biases_not_sequence_parallel
+
+        expert_biases_not_sequence_parallel([model])  # reduced over expert data parallelism only
     if torch.cuda.is_available():
         model.cuda(torch.cuda.current_device())
     return model

@@ -30,6 +30,7 @@ def world_size_from_env() -> int:
 
 def initialize(cfg: Config) -> Config:
     """Validate `cfg` for this world size, then start process groups and seed every RNG."""
+    compat.quiet_known_noise()  # (a no-op where the entry point already did it)
     world = world_size_from_env()
     cfg.validate(world)  # before any process group exists: config errors surface cleanly
     if "RANK" not in os.environ:  # plain `python pretrain_megatron_gpt.py`: a world of one

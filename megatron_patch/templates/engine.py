@@ -67,7 +67,10 @@ class RapidformerEngine:
             log.info("compose(): mixed precision needs your loop's help: run the forward pass inside "
                      "`with engine.precision.autocast():`, call `engine.precision.backward(loss)` instead of "
                      "loss.backward(), and `engine.precision.step(optimizer, model, args.clip_grad)` instead of "
-                     "optimizer.step() (it unscales, clips and skips steps with inf/nan gradients under fp16)")
+                     "optimizer.step() (it unscales, clips and skips steps with inf/nan gradients under fp16)"
+                     + ("; with --onnx-runtime-training the first forward must already run inside autocast: ONNX "
+                        "Runtime records the precision into the graph it exports then" if
+                        getattr(self.args, "onnx_runtime_training", False) else ""))
         from megatron_patch.accelerations import uses_cuda_graphs
 
         if uses_cuda_graphs(self.args) and self.device.type == "cuda":

@@ -24,9 +24,9 @@ _CONFIG: Optional[Config] = None
 
 # rapidformer flags whose engine name differs; every other Config field is taken by its own name
 _RENAMED = {"torch_compile": "compile", "torch_compile_mode": "compile_mode"}
-# Hugging Face-only switches: the Megatron engine shards with ZeRO-1/2 (its distributed optimizer, Megatron-FSDP)
-_HF_ONLY = ("oss_memory_optimization", "oss_sdp_memory_optimization", "fsdp_memory_optimization",
-            "onnx_runtime_training")
+# Hugging Face-only sharding switches: the Megatron engine shards with ZeRO-1/2 (its distributed optimizer,
+# Megatron-FSDP)
+_HF_ONLY = ("oss_memory_optimization", "oss_sdp_memory_optimization", "fsdp_memory_optimization")
 
 
 def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Config:
@@ -49,8 +49,16 @@ def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Confi
     # Hugging Face templates default --load to the model directory; the engine does not
     if values.get("load") and values["load"] == getattr(args, "pretrained_model_name_or_path", None):
         values.pop("load")
+    moe_tp = _moe_tensor_parallel(values)
     cfg = Config(**values)
     if accelerations:
+        if getattr(args, "onnx_runtime_training", False):
+            raise ConfigError("--onnx-runtime-training: ONNX Runtime's ORTModule trains Hugging Face/PyTorch models "
+                              "(one exported graph per model); a megatron-core model trains with the engine's own "
+                              "tensor/pipeline-parallel schedules, which ORTModule cannot export: drop the flag, or "
+                              "use --torch-compile, the engine's graph optimizer")
+        if moe_tp:
+            get_logger().info(moe_tp)
         used = [f"--{n.replace('_', '-')}" for n in _HF_ONLY if getattr(args, n, False)]
         if used:
             raise ConfigError(f"{', '.join(used)}: a Hugging Face acceleration; a Megatron model is sharded with "
@@ -66,6 +74,20 @@ def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Confi
             get_logger().info("--mixed-precision with --zero-2-memory-optimization runs in bf16: Megatron-FSDP has no "
                               "fp16 loss scaling, and bf16 needs none")
     return cfg
+
+
+def _moe_tensor_parallel(values: dict) -> str:
+    """`rapidformer` has no --sequence-parallel or --expert-tensor-parallel-size: MoE with tensor parallelism
+    gets what megatron-core needs (sequence parallelism; whole experts per rank for their biases). Returns the
+    log line ('' when nothing was chosen)."""
+    tp = values.get("tensor_model_parallel_size", 1)
+    if not values.get("num_experts") or tp < 2:
+        return ""
+    values["sequence_parallel"] = True
+    values.setdefault("expert_tensor_parallel_size", 1)
+    return (f"--num-experts with --tensor-model-parallel-size {tp}: sequence parallelism on (megatron-core's MoE "
+            "layers train tensor parallel only with it) and each expert whole on one rank (expert tensor-parallel "
+            "size 1: megatron-core supports expert biases only there)")
 
 
 _WORLD = 1

@@ -9,17 +9,12 @@ from __future__ import annotations
 
 import os
 import sys
-import warnings
 from typing import List, Optional
 
 from megatron_patch.config import Config, ConfigError, parse_args
 from megatron_patch.data.checks import DataError
 from megatron_patch.data.indexed_dataset import CorruptIndexError
 from megatron_patch.data.tokenizers import TokenizerError
-
-# megatron-core announces at import time that it falls back to torch kernels without TE/apex; the
-# run's own log says which implementation it uses.
-warnings.filterwarnings("ignore", message=".*(Transformer Engine|Apex|absl|GPTModel IS DEPRECATED).*")
 
 
 def report(kind: str, error: Exception) -> int:
@@ -84,6 +79,9 @@ def main(argv: Optional[List[str]] = None, model: str = "gpt") -> int:
 
             print(describe(cfg, check_data(cfg)))
             return 0
+        from megatron_patch.compat.quiet import quiet_known_noise  # imports torch: not for --validate-only
+
+        quiet_known_noise()  # before megatron-core is imported: its known harmless warnings
         _pretrain(cfg, model)
     except ConfigError as e:
         return report("configuration", e)
