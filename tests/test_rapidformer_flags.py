@@ -307,6 +307,21 @@ def test_megatron_pretrainer_takes_the_compile_mode():
     assert not base.compile and base.compile_mode == "default"
 
 
+
+@pytest.mark.parametrize("flag", ["override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"])
+def test_megatron_pretrainer_takes_the_resume_schedule_choice(flag):
+    """The engine refuses a resume whose schedule flags changed unless one of these two flags chooses (config/
+    resume.py); a Megatron PreTrainer run must be able to pass them, and only it (the others have no such check)."""
+    from megatron_patch.templates.pretrain_megatron import engine_config
+
+    option = "--" + flag.replace("_", "-")
+    args = _checked(f"--user-script {EXAMPLES}/rapidformer_pretrain_megatron_gpt_trainer.py --train-iters 2 "
+                    f"--load /ckpt {option}", world=1)
+    assert getattr(engine_config(args), flag) and getattr(engine_config(args, accelerations=False), flag)
+    from megatron_patch.cli.flag_use import TABLE
+
+    assert TABLE[flag] == {"ft": "no", "finetuner": "no", "pt": "no", "hf": "no", "mg": "acts"}
+
 def test_a_script_model_must_hold_the_setting_flags():
     """A Finetuner/PreTrainer script builds its own model: --hidden-dropout that its config does not hold is refused
     (it would be ignored), one it holds passes."""
