@@ -9,13 +9,16 @@
   batch at micro batch 4, and one sampler repeat with 2 workers). The white-box run records the sample ids it
   gathered; the black-box `--task sequence_classification` run records the token ids it gathered, compared
   with the validation (and test) rows tokenized here, and its accuracy and F1 equal scikit-learn's on this
-  file's own predictions from the saved model.
+  file's own predictions from the saved model (the 2-worker run under ZeRO-3: evaluation through FSDP2 and
+  the gathered save). `--task causal_lm` on 2 workers: its loss is the mean next-token cross-entropy over
+  every validation token, computed here from the saved model.
 
-Budget: about 30 s in all on 2 busy cores (the spawn of 2 workers importing transformers is most of it).
+Budget: about 40 s of CPU in all (the spawn of 2 workers importing transformers is much of it).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
@@ -29,6 +32,7 @@ from engine_utils import free_port  # noqa: E402
 from finetune_utils import tiny_model  # noqa: E402
 
 N_TRAIN, N_VALID, N_TEST, SEQ, VOCAB = 24, 13, 5, 10, 64
+MAX_LENGTH = 48  # --seq-length of the black-box runs
 TOL = 1e-5
 # white-box runs: (workers, micro batch); --global-batch-size 8 always, so accumulation 8 / (micro x workers)
 WHITE = {"one_batch": (1, 8), "accum_1w": (1, 4), "accum_2w": (2, 2)}
@@ -118,13 +122,13 @@ def _whitebox(world: int, micro: int) -> dict:
 
 # ---------------------------------------------------------------- the black-box task, recording what it evaluated
 
-def _blackbox(data: str, model: str, save: str) -> dict:
+def _blackbox(task: str, data: str, model: str, save: str, *extra: str) -> dict:
     from megatron_patch.cli.arguments import parse_args
     from megatron_patch.cli.rules import check
-    from megatron_patch.cli.tasks.classification import SequenceClassification
+    from megatron_patch.cli.tasks import task_class
     from megatron_patch.templates.engine import RapidformerEngine
 
-    class Recorded(SequenceClassification):
+    class Recorded(task_class(task)):
         """The task unchanged; each evaluation's batches are also gathered here, to see which rows it read."""
 
         def __init__(self, engine):
@@ -144,24 +148,27 @@ def _blackbox(data: str, model: str, save: str) -> dict:
             return out
 
     world = dist.get_world_size() if dist.is_initialized() else 1
-    argv = ["--task", "sequence_classification", "--pretrained-model-name-or-path", model, "--data-path", data,
-            "--micro-batch-size", "4", "--epochs", "1", "--lr", "1e-3", "--seq-length", "48", "--eval-at-start",
-            "--save", save]
+    argv = ["--task", task, "--pretrained-model-name-or-path", model, "--data-path", data, "--micro-batch-size", "4",
+            "--epochs", "1", "--lr", "1e-3", "--seq-length", str(MAX_LENGTH), "--eval-at-start", "--save", save, *extra]
     args = check(parse_args(argv), world_size=world)
-    task = Recorded(RapidformerEngine(args))
-    task.train()
-    return {"evaluated": task.evaluated}
+    recorded = Recorded(RapidformerEngine(args))
+    recorded.train()
+    return {"evaluated": recorded.evaluated}
 
 
 # ---------------------------------------------------------------- running: 1 worker here, 2 workers spawned
 
-def _two_workers(rank: int, port: int, data: str, model: str, save: str, out: str) -> None:
+def _two_workers(rank: int, port: int, tmp: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2", PYTHONWARNINGS="ignore", TOKENIZERS_PARALLELISM="false")
     torch.set_num_threads(1)
     try:
         world, micro = WHITE["accum_2w"]
-        result = {"white": _whitebox(world, micro), "black": _blackbox(data, model, save)}
+        result = {"white": _whitebox(world, micro),
+                  # under ZeRO-3: evaluation through FSDP2, and save_pretrained gathers the shards
+                  "black": _blackbox("sequence_classification", f"{tmp}/data", f"{tmp}/model", f"{tmp}/save2",
+                                     "--zero-3-memory-optimization"),
+                  "lm": _blackbox("causal_lm", f"{tmp}/lm_data", f"{tmp}/gpt2", f"{tmp}/lm_save2")}
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -177,16 +184,18 @@ def runs(tmp_path_factory):
     data = write_task_dataset("sequence_classification", str(tmp / "data"), n_train=32, n_valid=N_VALID,
                               n_test=N_TEST)
     model = tiny_model("bert", str(tmp / "model"))
+    write_task_dataset("causal_lm", str(tmp / "lm_data"), n_train=16, n_valid=N_VALID)
+    tiny_model("gpt2", str(tmp / "gpt2"))
     out = str(tmp / "two")
-    mp.start_processes(_two_workers, args=(free_port(), data, model, str(tmp / "save2"), out), nprocs=2,
-                       start_method="spawn")
+    mp.start_processes(_two_workers, args=(free_port(), str(tmp), out), nprocs=2, start_method="spawn")
     two = [json.load(open(f"{out}.{r}")) for r in range(2)]
     assert "WORLD_SIZE" not in os.environ or os.environ["WORLD_SIZE"] == "1"
     white = {name: _whitebox(w, m) for name, (w, m) in WHITE.items() if w == 1}
     white["accum_2w"] = two[0]["white"]
     white["accum_2w_rank1"] = two[1]["white"]
-    black = {1: (_blackbox(data, model, str(tmp / "save1")), tmp / "save1"), 2: (two[0]["black"], tmp / "save2")}
-    return {"white": white, "black": black, "data": data}
+    black = {1: (_blackbox("sequence_classification", data, model, str(tmp / "save1")), tmp / "save1"),
+             2: (two[0]["black"], tmp / "save2")}
+    return {"white": white, "black": black, "data": data, "lm": (two[0]["lm"], tmp / "lm_save2", tmp / "lm_data")}
 
 
 def _close(a, b, what):
@@ -243,7 +252,8 @@ def test_whitebox_evaluation_reads_each_validation_sample_once(runs, name):
 
 def _tokenized(data: str, split: str, tokenizer):
     rows = [json.loads(line) for line in open(os.path.join(data, f"{split}.jsonl"))]
-    return rows, [tokenizer(r["sentence1"], r["sentence2"], truncation=True, max_length=48) for r in rows]
+    return rows, [tokenizer(r["sentence1"], r["sentence2"], truncation=True, max_length=MAX_LENGTH)
+                  for r in rows]
 
 
 def _strip(row):
@@ -280,3 +290,25 @@ def test_task_evaluates_exactly_the_validation_split(runs, workers):
     last = [l for l in lines if l["split"] == "validation"][-1]
     assert last["accuracy"] == pytest.approx(accuracy_score(labels, predictions), abs=1e-12), (last, predictions)
     assert last["f1"] == pytest.approx(f1_score(labels, predictions, zero_division=0), abs=1e-12), (last, predictions)
+
+
+def test_causal_lm_perplexity_is_over_every_validation_token_once(runs):
+    """`--task causal_lm` on 2 workers: it evaluated the 13 validation rows once each, in order, and its loss is
+    the mean next-token cross-entropy over all their tokens, computed here from the saved model row by row."""
+    import transformers
+
+    rec, save, data = runs["lm"]
+    tok = transformers.AutoTokenizer.from_pretrained(str(save))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(save)).eval()
+    rows = [json.loads(line)["text"] for line in open(os.path.join(str(data), "validation.jsonl"))]
+    ids = [tok(t, truncation=True, max_length=MAX_LENGTH, return_token_type_ids=False)["input_ids"] for t in rows]
+    assert [[_strip(r) for r in ev] for ev in rec["evaluated"]] == [ids, ids]
+    total = count = 0.0
+    with torch.no_grad():
+        for row in ids:
+            logits = model(input_ids=torch.tensor([row])).logits[0, :-1].double()
+            total += float(torch.nn.functional.cross_entropy(logits, torch.tensor(row[1:]), reduction="sum"))
+            count += len(row) - 1
+    last = [l for l in (json.loads(x) for x in open(save / "metrics.jsonl")) if l["split"] == "validation"][-1]
+    assert last["loss"] == pytest.approx(total / count, rel=1e-5), (last, total / count)
+    assert last["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
