@@ -2,8 +2,8 @@
 
 - gradient accumulation is exactly a bigger batch: a white-box Finetuner (tiny BERT classifier, dropout off,
   fp32, plain SGD, which unlike Adam is not scale-invariant, and no clipping) trained 3 steps of 8 samples as
-  one micro batch of 8, as 2 x 4 accumulated on one worker and as 2 x 2 accumulated on each of 2 workers: the
-  same losses, gradient norms (as the optimizer sees them) and weights within 1e-5. The sampler's order is the
+  one micro batch of 8, as 2 x 4 accumulated on one worker and as 2 x 2 accumulated on each of 2 workers (DDP,
+  and ZeRO-3 with the user's SGD rebuilt over FSDP2's shards): the same losses, gradient norms (as the optimizer sees them) and weights within 1e-5. The sampler's order is the
   same permutation in every case, so step k sees the same 8 samples.
 - evaluation covers exactly the validation split, each sample once and in order: 13 samples (a last partial
   batch at micro batch 4, and one sampler repeat with 2 workers). The white-box run records the sample ids it
@@ -36,19 +36,25 @@ MAX_LENGTH = 48  # --seq-length of the black-box runs
 TOL = 1e-5
 # white-box runs: (workers, micro batch); --global-batch-size 8 always, so accumulation 8 / (micro x workers)
 WHITE = {"one_batch": (1, 8), "accum_1w": (1, 4), "accum_2w": (2, 2)}
+WHITE_RECORDS = ["one_batch", "accum_1w", "accum_2w", "accum_2w_rank1", "accum_2w_zero3", "accum_2w_zero3_rank1"]
 
 
 # ---------------------------------------------------------------- the white-box Finetuner
 
 class RecordingSGD(torch.optim.SGD):
-    """Plain SGD that records the global gradient norm it is asked to apply (the Finetuner clips nothing here)."""
+    """Plain SGD that records the global gradient norm it is asked to apply (the Finetuner clips nothing here).
+    `last` is the newest instance: under ZeRO-3 accelerate() rebuilds the user's optimizer over the shards."""
+
+    last = None
 
     def __init__(self, params, lr):
         super().__init__(params, lr=lr)
         self.norms = []
+        RecordingSGD.last = self
 
     def step(self, closure=None):
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        grads = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]  # FSDP2 shards: gathered
         self.norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
         return super().step(closure)
 
@@ -81,8 +87,7 @@ def _whitebox_class():
 
         def model_optimizer_lr_scheduler_provider(self):
             model = _tiny_classifier()
-            self.sgd = RecordingSGD(model.parameters(), lr=self.args.lr)
-            return model, self.sgd, None
+            return model, RecordingSGD(model.parameters(), lr=self.args.lr), None
 
         def run_forward_step(self, batch, model):
             loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
@@ -102,7 +107,7 @@ def _whitebox_class():
     return WhiteBox
 
 
-def _whitebox(world: int, micro: int) -> dict:
+def _whitebox(world: int, micro: int, *extra: str) -> dict:
     from megatron_patch.cli.arguments import parse_args
     from megatron_patch.cli.rules import check
     from megatron_patch.templates.engine import RapidformerEngine
@@ -110,14 +115,17 @@ def _whitebox(world: int, micro: int) -> dict:
     # --user-script names this file only to pass the front end's rules: the class above is the user's Finetuner
     argv = ["--user-script", os.path.abspath(__file__), "--micro-batch-size", str(micro), "--global-batch-size", "8",
             "--train-iters", "3", "--lr", "0.5", "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
-            "--clip-grad", "0", "--weight-decay", "0", "--seed", "7", "--eval-at-start"]
+            "--clip-grad", "0", "--weight-decay", "0", "--seed", "7", "--eval-at-start", *extra]
     args = check(parse_args(argv), world_size=world)
     tuner = _whitebox_class()(RapidformerEngine(args))
     metrics = tuner.train()
-    inner = getattr(tuner.model, "module", tuner.model)
-    return {"accumulation": args.grad_accumulation, "losses": tuner.losses, "norms": tuner.sgd.norms,
+    from megatron_patch.templates.saving import full_state_dict
+
+    # the whole model on rank 0 (FSDP2 shards gathered); other ranks record none
+    weights = full_state_dict(tuner.model) if dist.is_initialized() else tuner.model.state_dict()
+    return {"accumulation": args.grad_accumulation, "losses": tuner.losses, "norms": RecordingSGD.last.norms,
             "metrics": metrics, "evaluations": tuner.evaluations,
-            "weights": {k: v.tolist() for k, v in inner.state_dict().items()}}
+            "weights": {k: v.tolist() for k, v in weights.items()} or None}
 
 
 # ---------------------------------------------------------------- the black-box task, recording what it evaluated
@@ -165,6 +173,8 @@ def _two_workers(rank: int, port: int, tmp: str, out: str) -> None:
     try:
         world, micro = WHITE["accum_2w"]
         result = {"white": _whitebox(world, micro),
+                  # FSDP2's accumulation: gradient sync off (set_requires_gradient_sync) but the last micro batch
+                  "white_zero3": _whitebox(world, micro, "--zero-3-memory-optimization"),
                   # under ZeRO-3: evaluation through FSDP2, and save_pretrained gathers the shards
                   "black": _blackbox("sequence_classification", f"{tmp}/data", f"{tmp}/model", f"{tmp}/save2",
                                      "--zero-3-memory-optimization"),
@@ -193,6 +203,8 @@ def runs(tmp_path_factory):
     white = {name: _whitebox(w, m) for name, (w, m) in WHITE.items() if w == 1}
     white["accum_2w"] = two[0]["white"]
     white["accum_2w_rank1"] = two[1]["white"]
+    white["accum_2w_zero3"] = two[0]["white_zero3"]
+    white["accum_2w_zero3_rank1"] = two[1]["white_zero3"]
     black = {1: (_blackbox("sequence_classification", data, model, str(tmp / "save1")), tmp / "save1"),
              2: (two[0]["black"], tmp / "save2")}
     return {"white": white, "black": black, "data": data, "lm": (two[0]["lm"], tmp / "lm_save2", tmp / "lm_data")}
@@ -217,10 +229,14 @@ def test_accumulation_trains_like_one_big_batch(runs):
     assert len(ref["norms"]) == 3 and len(ref["losses"]) == 3
     one = white["accum_1w"]
     _close(_step_losses(one["losses"], 2), ref["losses"], "losses, 1 worker x 2 micro batches")
-    two = [_step_losses(white[k]["losses"], 2) for k in ("accum_2w", "accum_2w_rank1")]
-    _close([(a + b) / 2 for a, b in zip(*two)], ref["losses"], "losses, 2 workers x 2 micro batches")
-    for name in ("accum_1w", "accum_2w", "accum_2w_rank1"):
+    for two_workers in ("accum_2w", "accum_2w_zero3"):
+        two = [_step_losses(white[k]["losses"], 2) for k in (two_workers, f"{two_workers}_rank1")]
+        _close([(a + b) / 2 for a, b in zip(*two)], ref["losses"], f"losses, {two_workers}")
+    assert white["accum_2w_zero3"]["accumulation"] == 2
+    for name in WHITE_RECORDS[1:]:
         _close(white[name]["norms"], ref["norms"], f"gradient norms, {name}")
+        if white[name]["weights"] is None:  # rank 1: the whole model is gathered on rank 0
+            continue
         for key, w in ref["weights"].items():
             torch.testing.assert_close(torch.tensor(white[name]["weights"][key]), torch.tensor(w), rtol=TOL, atol=TOL,
                                        msg=lambda m, key=key, name=name: f"{name} {key}: {m}")
@@ -230,9 +246,11 @@ def test_accumulation_trains_like_one_big_batch(runs):
 
 # ---------------------------------------------------------------- evaluation: what is evaluated
 
-@pytest.mark.parametrize("name", ["one_batch", "accum_1w", "accum_2w", "accum_2w_rank1"])
+@pytest.mark.parametrize("name", WHITE_RECORDS)
 def test_whitebox_evaluation_reads_each_validation_sample_once(runs, name):
     rec = runs["white"][name]
+    if rec["weights"] is None:  # rank 1: gathered the same as rank 0
+        rec = dict(rec, weights=runs["white"][name.replace("_rank1", "")]["weights"])
     assert len(rec["evaluations"]) == 2  # --eval-at-start, then after the (only) epoch
     for ev in rec["evaluations"]:
         assert ev["ids"] == list(range(N_VALID)), ev["ids"]

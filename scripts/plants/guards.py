@@ -82,4 +82,9 @@ PLANTS = [
                      "        rng.restore(torch.load(_rng_file(path), weights_only=True))\n",
          property="a ZeRO-2 resume continues exactly (every rank's random streams restored)",
          tests=["tests/test_engine_checkpoint.py::test_zero2_resume_is_exact"]),
+    dict(name="fsdp-gradient-sync-not-restored", file="megatron_patch/templates/finetuner.py",
+         original="        self.model.set_requires_gradient_sync(True)\n",
+         replacement="        self.model.set_requires_gradient_sync(False)\n",
+         property="under ZeRO-2/3 the last micro batch of an accumulation reduces the gradients across workers",
+         tests=["tests/test_finetuner_loop.py::test_accumulation_trains_like_one_big_batch"]),
 ]
