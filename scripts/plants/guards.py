@@ -64,7 +64,7 @@ PLANTS = [
     dict(name="save-pretrained-without-gathered-state", file="megatron_patch/templates/saving.py",
          original="        inner.save_pretrained(path, state_dict=state)\n",
          replacement="        inner.save_pretrained(path)\n",
-         property="the saved model is the trained one, FSDP2 shards gathered",
+         property="the saved model is the trained one, FSDP2 shards gathered (planted: the ZeRO-3 run fails to save)",
          tests=["tests/test_finetuner_loop.py -k task_evaluates"]),
     dict(name="entity-f1-drops-i-without-b", file="megatron_patch/cli/tasks/metrics.py",
          original="        if prefix == \"B\" or (prefix == \"I\" and start is None):\n",
@@ -87,4 +87,10 @@ PLANTS = [
          replacement="        self.model.set_requires_gradient_sync(False)\n",
          property="under ZeRO-2/3 the last micro batch of an accumulation reduces the gradients across workers",
          tests=["tests/test_finetuner_loop.py::test_accumulation_trains_like_one_big_batch"]),
+    dict(name="bert-later-stages-ignore-padding", file="megatron_patch/training/bert.py",
+         original="    output = model(batch[\"text\"] if pre else None, batch[\"padding_mask\"],\n",
+         replacement="    output = model(batch[\"text\"] if pre else None, batch[\"padding_mask\"] if pre else "
+                     "torch.ones_like(batch[\"padding_mask\"]),\n",
+         property="BERT under pipeline parallelism: every stage's attention masks the padding (trains like one process)",
+         tests=["tests/test_bert_engine.py -k 'layout_matches_single_process and pp2 and not tp2'"]),
 ]
