@@ -55,7 +55,8 @@ class RecordingSGD(torch.optim.SGD):
     def step(self, closure=None):
         grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
         grads = [g.full_tensor() if hasattr(g, "full_tensor") else g for g in grads]  # FSDP2 shards: gathered
-        self.norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+        norms = [torch.linalg.vector_norm(g) for g in grads]
+        self.norms.append(float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0)  # 0: no gradients
         return super().step(closure)
 
 
