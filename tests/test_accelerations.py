@@ -1,11 +1,15 @@
 """megatron_patch.accelerations: every switch on a tiny Hugging Face BERT (random weights from a config),
 2 CPU processes with gloo, compared against plain DDP (2 processes) and the single-process run.
 
-Tolerances: fp32 losses within rel 1e-5 of DDP and of the single process on the full batch, final
-weights within abs 1e-5; torch.compile and ONNX Runtime within rel 1e-4 (their kernels reduce in their
+Tolerances: fp32 losses and gradient norms within rel 1e-5 of DDP and of the single process on the full
+batch, final weights within abs 1e-5; torch.compile and ONNX Runtime within rel 1e-4 (their kernels reduce in their
 own order); bf16 follows fp32 within abs 0.03 (bf16 keeps ~3 significant digits); fp16 must lower the
 loss, skip exactly the step with the planted inf on every rank, and report the fp32 run's gradient norm
 within 5% (unscaled before clipping).
+
+Gradient clipping is active in every fp32 step (CLIP_GRAD is below every step's gradient norm, checked by
+test_clipping_is_active): a norm taken wrongly (e.g. over one rank's FSDP2 shards only) changes the clip
+coefficient and so the weights, besides the reported norm that is compared with DDP's.
 
 Bytes are counted per rank, locally (DTensor.to_local()): parameters between forward and backward,
 gradients after backward, optimizer state (tensors in the state, scalars left out) after the step.
@@ -36,6 +40,7 @@ GLOBAL_BATCH, SEQ, VOCAB = 8, 12, 200
 FP32_REL = 1e-5
 WEIGHT_ABS = 1e-5
 BF16_ABS = 0.03
+CLIP_GRAD = 0.2  # below the tiny BERT's gradient norms (0.3 to 0.55 in the 4 fp32 steps): clipping acts
 
 FLAGS = ("mixed_precision", "bf16", "zero_1_memory_optimization", "zero_2_memory_optimization",
          "zero_3_memory_optimization", "oss_memory_optimization", "oss_sdp_memory_optimization",
@@ -45,7 +50,7 @@ FLAGS = ("mixed_precision", "bf16", "zero_1_memory_optimization", "zero_2_memory
 
 def make_args(**over) -> argparse.Namespace:
     args = dict({f: False for f in FLAGS}, optimizers="apex_adam", lr=1e-3, weight_decay=0.01, adam_beta1=0.9,
-                adam_beta2=0.999, adam_eps=1e-8, clip_grad=1.0, seed=1234)
+                adam_beta2=0.999, adam_eps=1e-8, clip_grad=CLIP_GRAD, seed=1234)
     args.update(over)
     return argparse.Namespace(**args)
 
@@ -269,13 +274,26 @@ def test_memory_switches_train_like_ddp(runs, name):
     ranks, _ = runs
     for r in range(WORLD):
         _close(ranks[r][name]["losses"], ranks[r]["ddp"]["losses"])
+        # the global norm (over every rank's shards) that clipping used: DDP's, on every rank
+        _close(ranks[r][name]["norms"], ranks[r]["ddp"]["norms"])
     _weights_close(ranks[0][name]["weights"], ranks[0]["ddp"]["weights"])
+
+
+def test_clipping_is_active(runs):
+    """The premise of the comparisons above: every fp32 step clips, so the clip coefficient (the norm) moves
+    the weights. With SGD (not scale-invariant, unlike Adam) the clip coefficient scales each update directly."""
+    ranks, single = runs
+    assert min(single["norms"]) > CLIP_GRAD * 1.2, single["norms"]
+    for r in range(WORLD):
+        assert min(ranks[r]["sgd"]["norms"]) > CLIP_GRAD * 1.2, ranks[r]["sgd"]["norms"]
 
 
 def test_ddp_matches_single_process(runs):
     ranks, single = runs
     mean = [(a + b) / 2 for a, b in zip(ranks[0]["ddp"]["losses"], ranks[1]["ddp"]["losses"])]
     _close(mean, single["losses"])
+    for r in range(WORLD):
+        _close(ranks[r]["ddp"]["norms"], single["norms"])
     _weights_close(ranks[0]["ddp"]["weights"], single["weights"])
     assert any("DistributedDataParallel" in a for a in ranks[0]["ddp"]["applied"])
     assert not any("DistributedDataParallel" in a for a in single["applied"])
@@ -343,6 +361,9 @@ def test_user_optimizer_is_rebuilt_over_fsdp_shards(runs):
     assert ranks[0]["sgd_zero3"]["opt_class"] == "SGD"
     for r in range(WORLD):
         _close(ranks[r]["sgd_zero3"]["losses"], ranks[r]["sgd"]["losses"])
+        _close(ranks[r]["sgd_zero3"]["norms"], ranks[r]["sgd"]["norms"])
+    # SGD's update is proportional to the clipped gradient: a wrong clip coefficient moves these weights
+    _weights_close(ranks[0]["sgd_zero3"]["weights"], ranks[0]["sgd"]["weights"])
 
 
 def test_weight_decay_skips_biases_and_norms():

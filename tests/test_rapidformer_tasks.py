@@ -171,3 +171,36 @@ def test_howto_black_box_command_with_onnx_runtime(tmp_path):
     assert proc.returncode == 0, explain(proc)
     assert "ORTModule trains" in proc.stdout and "ZeRO-1" in proc.stdout and "dynamic loss scaling" in proc.stdout
     assert len(metrics_lines(str(tmp_path / "out" / "metrics.jsonl"))) == 3  # 2 epochs + the test split
+
+
+# ---------------------------------------------------------------- the tasks' metrics, against hand-computed values
+
+def test_entity_f1_follows_conlleval():
+    """Entity-level scores as conlleval/seqeval count them: an entity matches when its type and both ends do; an
+    I- tag without its B- starts an entity; a type change inside a run ends one entity and starts another."""
+    from megatron_patch.cli.tasks.metrics import entity_f1
+
+    # one of two entities right (PER), LOC predicted as ORG: P = R = F1 = 1/2; 3 of 4 tags right
+    assert entity_f1([["B-PER", "I-PER", "O", "B-ORG"]], [["B-PER", "I-PER", "O", "B-LOC"]]) == \
+        {"precision": 0.5, "recall": 0.5, "f1": 0.5, "accuracy": 0.75}
+    # I-PER I-PER is one entity (PER, 0, 2), the gold one
+    assert entity_f1([["I-PER", "I-PER", "O"]], [["B-PER", "I-PER", "O"]])["f1"] == 1.0
+    # B-PER I-LOC is two entities, as gold's B-PER B-LOC
+    assert entity_f1([["B-PER", "I-LOC", "O"]], [["B-PER", "B-LOC", "O"]])["f1"] == 1.0
+    # a wrong end is a miss
+    assert entity_f1([["B-PER", "O"]], [["B-PER", "I-PER"]])["f1"] == 0.0
+    # counts add up over sentences before dividing (micro average): 2 of 3 predicted, 2 of 2 gold
+    scores = entity_f1([["B-PER", "O"], ["B-LOC", "B-LOC"]], [["B-PER", "O"], ["B-LOC", "O"]])
+    assert (scores["precision"], scores["recall"]) == (2 / 3, 1.0)
+
+
+def test_squad_metric_as_the_official_script():
+    """SQuAD v1.1: answers compared after lower-casing and removing punctuation and articles; the best of each
+    question's reference answers; token F1 from the shared bag of words."""
+    from megatron_patch.cli.tasks.metrics import squad
+
+    assert squad(["The Eiffel Tower!"], [["eiffel tower"]]) == {"exact_match": 1.0, "f1": 1.0}
+    assert squad(["Paris France"], [["Paris"]]) == {"exact_match": 0.0, "f1": 2 / 3}  # P 1/2, R 1
+    assert squad(["Paris France"], [["x", "paris, france"]]) == {"exact_match": 1.0, "f1": 1.0}
+    assert squad(["an apple a day"], [["apple day"]])["exact_match"] == 1.0
+    assert squad(["nothing"], [["something else"]]) == {"exact_match": 0.0, "f1": 0.0}

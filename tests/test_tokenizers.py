@@ -50,6 +50,39 @@ def test_bert_matches_hf(kind, lower, minilm_vocab, texts, tmp_path):
         assert ours.tokenize("HELLO") != ours.tokenize("hello")
 
 
+# Characters that BERT's normaliser removes, turns into spaces or splits off, one text each: soft hyphen (Cf),
+# zero-width space / joiners / BOM (Cf), BEL, NUL, ESC and other controls (Cc), U+FFFD, tabs, CR/LF, VT/FF,
+# line and paragraph separators, accents precomposed and combining (lower case strips them, cased keeps them),
+# CJK ideographs (each a word) beside kana and hangul (not split), a no-break and an ideographic space.
+CONTROL_AND_FORMAT = [
+    "co\u00adoperate soft\u00ad\u00adhyphen \u00ad", "zero\u200bwidth space", "word\u200d\u200c\ufeffjoin",
+    "bell\x07ring", "nul\x00byte", "bad\ufffdchar", "\x1b[31mred\x1b[0m", "tab\there\nnew\r\nline\x0bvt\x0cff",
+    "\u2028line\u2029para\x85nel", "Cafe\u0301 Ångström ÉCOLE naïve", "e\u0301\u0327 x\u034fy",
+    "東京タワー 中文字符 한국어", "a\u00a0b\u3000c", "\u0600\u061carabic \U0001F600 emoji",
+]
+
+
+@pytest.mark.parametrize("kind,lower", [("BertWordPieceLowerCase", True), ("BertWordPieceCase", False)])
+def test_bert_matches_hf_on_control_and_format_characters(kind, lower, minilm_vocab, tmp_path):
+    """Google's BERT normalisation (transformers' Python BertTokenizer) and BertTokenizerFast on the real MiniLM
+    vocabulary: control and format characters dropped (clean_text), accents stripped only when lower-casing,
+    CJK split. Under 2 s."""
+    from transformers import BertTokenizer, BertTokenizerFast
+
+    ours = build_tokenizer(kind, vocab_file=minilm_vocab)
+    shutil.copy(minilm_vocab, tmp_path / "vocab.txt")
+    slow = BertTokenizer.from_pretrained(str(tmp_path), do_lower_case=lower)
+    fast = BertTokenizerFast.from_pretrained(str(tmp_path), do_lower_case=lower)
+    for t in CONTROL_AND_FORMAT:
+        want = slow(t, add_special_tokens=False)["input_ids"]
+        assert fast(t, add_special_tokens=False)["input_ids"] == want, t  # the two references agree
+        assert ours.tokenize(t) == want, (t, slow.convert_ids_to_tokens(want))
+    assert ours.tokenize_batch(CONTROL_AND_FORMAT) == [ours.tokenize(t) for t in CONTROL_AND_FORMAT]
+    # the characters really are dropped, not merged into pieces
+    assert ours.tokenize("co\u00adoperate") == ours.tokenize("cooperate")
+    assert ours.tokenize("zero\u200bwidth") == ours.tokenize("zerowidth")
+
+
 def test_sentencepiece_matches_hf(spm_model, texts, tmp_path):
     from transformers import LlamaTokenizerFast
 

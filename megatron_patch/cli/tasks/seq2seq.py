@@ -19,6 +19,8 @@ class Seq2SeqLM(BlackBoxFinetuner):
         super().__init__(engine)
         self.auto_class = AutoModelForSeq2SeqLM
         self.references: Dict[int, list] = {}
+        # generation length per prepared split (by id, as the loader's dataset): its longest target, capped
+        self.new_tokens: Dict[int, int] = {}
 
     def prepare(self, split: str, dataset):
         source, target = self.columns["source"], self.columns["target"]
@@ -29,7 +31,7 @@ class Seq2SeqLM(BlackBoxFinetuner):
 
         prepared = dataset.map(encode, batched=True, remove_columns=dataset.column_names, desc=f"tokenizing {split}")
         lengths = [len(x) for x in prepared["labels"]]
-        self.new_tokens = min(MAX_TARGET_LENGTH, max(lengths) if lengths else 1)
+        self.new_tokens[id(prepared)] = min(MAX_TARGET_LENGTH, max(lengths) if lengths else 1)
         return prepared
 
     def collate_fn(self):
@@ -40,11 +42,12 @@ class Seq2SeqLM(BlackBoxFinetuner):
     def metrics(self, model, loader) -> Dict[str, float]:
         out = self.token_weighted_loss(model, loader, shift=False)
         generator = unwrap(model)
+        new_tokens = self.new_tokens.get(id(loader.dataset), MAX_TARGET_LENGTH)
         predictions, references = [], []
         for batch in loader:
             # every worker generates the same number of tokens: FSDP's collectives run in step
             generated = generator.generate(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                                           max_new_tokens=self.new_tokens, min_new_tokens=self.new_tokens,
+                                           max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                                            do_sample=False, num_beams=1)
             predictions += [self._text(row[1:]) for row in self.gather(generated).tolist()]  # [0]: decoder start
             references += [self._text(row) for row in self.gather(batch["labels"]).tolist()]
