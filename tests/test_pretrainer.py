@@ -531,6 +531,41 @@ def test_hf_checkpoint_selection_and_refusals_in_words(hf_run, tmp_path):
     assert torch.load(str(tmp_path / "scaler.pt"), weights_only=True) == scaler.state_dict()
 
 
+def test_hf_checkpoint_loads_an_optimizer_with_an_empty_param_group(tmp_path):
+    """(< 3 s, in process.) A ZeRO-1 worker's local optimizer holds an empty param group when the partition gives
+    all of a group's parameters to other workers (DCP's set_state_dict alone fails on it: the 2-worker ZeRO-1 resume
+    crashed). Saved and loaded into a fresh model and optimizer: weights, Adam state, every group's
+    hyper-parameters and the empty group come back."""
+    from megatron_patch.accelerations.precision import Precision
+    from megatron_patch.templates.checkpoint_hf import load_checkpoint, save_checkpoint
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        optimizer = torch.optim.AdamW([{"params": list(model[0].parameters()), "weight_decay": 0.0},
+                                       {"params": [], "weight_decay": 0.0},
+                                       {"params": list(model[1].parameters()), "weight_decay": 0.1}], lr=1e-2)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (s + 1))
+
+    model, optimizer, scheduler = build(0)
+    for _ in range(3):
+        model(torch.randn(5, 4)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    save_checkpoint(str(tmp_path), 3, model, optimizer, scheduler, Precision(None, "cpu"), 24, 8)
+    model2, optimizer2, scheduler2 = build(1)
+    state = load_checkpoint(str(tmp_path), 3, model2, optimizer2, scheduler2, Precision(None, "cpu"))
+    assert (state["iteration"], state["consumed_samples"], state["consumed_valid_samples"]) == (3, 24, 8)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+        assert all(torch.equal(optimizer.state[a][k], optimizer2.state[b][k]) for k in optimizer.state[a])
+    assert [len(g["params"]) for g in optimizer2.param_groups] == [2, 0, 2]
+    assert [(g["lr"], g["weight_decay"]) for g in optimizer2.param_groups] == \
+        [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups]
+    assert scheduler2.last_epoch == 3
+
+
 def test_hf_pretrainer_two_worker_zero1_checkpoint_resumes_on_one_worker(corpora, tmp_path):
     """(~35 s: 2 workers, then 1.) The BERT sample with ZeRO-1 on 2 workers (each saves only its optimizer
     shard's entries), 4 samples per worker; resumed from iteration 5 on 1 worker with 2 micro batches of 4 (the

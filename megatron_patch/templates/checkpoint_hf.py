@@ -22,6 +22,7 @@ samples (global batch k is samples [k*gbs, (k+1)*gbs)), so it carries over; each
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import shutil
@@ -57,6 +58,28 @@ def _local_optimizer(optimizer):
     """The optimizer whose state is keyed by this worker's parameters: ZeroRedundancyOptimizer's local one
     (over this worker's shard of the parameters), or the optimizer itself."""
     return optimizer.optim if type(optimizer).__name__ == "ZeroRedundancyOptimizer" else optimizer
+
+
+@contextlib.contextmanager
+def _without_empty_groups(optimizer):
+    """The optimizer with its empty param groups hidden, then put back in place.
+
+    A ZeRO-1 worker's local optimizer has a group with no parameters when the partition gives all of that
+    group's parameters to other workers, and DCP's set_state_dict fails on it (torch 2.11,
+    torch/distributed/checkpoint/state_dict.py:_unflatten_optim_state_dict reads the group's first parameter
+    name; get_state_dict handles it). An empty group has nothing to load; the groups load_state_dict puts in
+    place of the others are kept. Nothing steps the optimizer meanwhile (its state exists: get_state_dict made it),
+    so no code sees the shortened list beside a list of the same length (CPUOffloadOptimizer's inner groups)."""
+    groups = optimizer.param_groups
+    if all(g["params"] for g in groups):
+        yield optimizer
+        return
+    optimizer.param_groups = [g for g in groups if g["params"]]
+    try:
+        yield optimizer
+    finally:
+        loaded = iter(optimizer.param_groups)
+        optimizer.param_groups = [next(loaded) if g["params"] else g for g in groups]
 
 
 def _state_dicts(model, optimizer):
@@ -155,8 +178,9 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, prec
         if directory.refused_unpickling(e) is None:
             raise
         raise CheckpointError(_refusal(states, e)) from None
-    set_state_dict(unwrap(model), _local_optimizer(optimizer), model_state_dict=state["model"],
-                   optim_state_dict=state["optimizer"], options=StateDictOptions(flatten_optimizer_state_dict=True))
+    with _without_empty_groups(_local_optimizer(optimizer)) as optim:
+        set_state_dict(unwrap(model), optim, model_state_dict=state["model"], optim_state_dict=state["optimizer"],
+                       options=StateDictOptions(flatten_optimizer_state_dict=True))
     train_state = _load_file(os.path.join(path, TRAIN_STATE))
     scheduler.load_state_dict(train_state["scheduler"])
     # LambdaLR's load_state_dict does not touch the optimizer, and ZeroRedundancyOptimizer copies its own
@@ -170,7 +194,7 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, prec
         rng.restore(_load_file(_rank_file(path, rank)))
     else:
         notes.append(f"saved by {saved_world} worker(s), resumed by {world}: model and optimizer resharded by "
-                     f"torch.distributed.checkpoint, data position carried over ({manifest['consumed_samples']} "
-                     f"samples); random streams start from --seed (a worker's stream does not carry over to another "
-                     f"worker count, so dropout draws differ from the uninterrupted run)")
+                     f"torch.distributed.checkpoint, data position carried over (it counts samples); random "
+                     f"streams start from --seed (a worker's stream does not carry over to another worker count, so "
+                     f"dropout draws differ from the uninterrupted run)")
     return dict(manifest, notes=notes)

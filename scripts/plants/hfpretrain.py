@@ -69,6 +69,12 @@ PLANTS = [
          replacement="options=StateDictOptions(flatten_optimizer_state_dict=False))\n\n\ndef save_checkpoint",
          property="ZeRO-1 optimizer shards saved by 2 workers resume on 1 worker (one entry per parameter name)",
          tests=[OTHER_WORLD]),
+    dict(name="hf-empty-param-group-not-hidden", file="megatron_patch/templates/checkpoint_hf.py",
+         original="    with _without_empty_groups(_local_optimizer(optimizer)) as optim:\n",
+         replacement="    with contextlib.nullcontext(_local_optimizer(optimizer)) as optim:\n",
+         property="a ZeRO-1 worker whose local optimizer has an empty param group resumes (DCP's set_state_dict "
+                  "fails on it)",
+         tests=[T + "test_hf_checkpoint_loads_an_optimizer_with_an_empty_param_group"]),
     dict(name="equalize-takes-the-minimum", file="megatron_patch/templates/pretrain_hf.py",
          original="dist.all_reduce(count, op=dist.ReduceOp.MAX)",
          replacement="dist.all_reduce(count, op=dist.ReduceOp.MIN)",
