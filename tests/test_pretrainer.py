@@ -111,7 +111,7 @@ def test_bert_sample_resumes_exactly(corpora, tmp_path, sharding):
     whole = _train(_lines(os.path.join(full, "metrics.jsonl")))
     resume = str(tmp_path / "resume")
     shutil.copytree(full, resume)
-    with open(os.path.join(resume, "latest_iteration.txt"), "w") as f:
+    with open(os.path.join(resume, "latest_checkpointed_iteration.txt"), "w") as f:
         f.write("3")
     os.remove(os.path.join(resume, "metrics.jsonl"))
     proc = rapidformer(*_bert_flags(model, corpora, 6, *sharding, "--nproc-per-node", "2", "--load", resume,
@@ -409,3 +409,296 @@ def test_dynamic_shape_weighs_micro_batches_by_their_samples(corpora, tmp_path):
     assert "computed_tokens" in runs["dynamic-shape"][-1]
     for f, d in zip(runs["fixed-shape"], runs["dynamic-shape"]):
         assert abs(f["loss"] - d["loss"]) < 1e-5 and abs(f["grad_norm"] - d["grad_norm"]) < 1e-4, (f, d)
+
+
+# ---- the Hugging Face PreTrainer's checkpoints ---------------------------------------------------------------------
+def _ckpt_flags(model, corpora, *extra):
+    """10 iterations of 8 samples, evaluation every 2 on 2 batches (so each evaluation reads new validation
+    samples), a checkpoint every 5."""
+    return ["--user-script", BERT_SAMPLE, "--pretrained-model-name-or-path", model, "--micro-batch-size", "4",
+            "--global-batch-size", "8", "--seq-length", "64", "--tokenizer-type", "BertWordPieceLowerCase",
+            "--max-position-embeddings", "64", "--train-iters", "10", "--data-path", corpora["bert"], "--vocab-file",
+            corpora["wp_vocab"], "--split", "980,20", "--lr", "1e-3", "--lr-decay-style", "linear", "--weight-decay",
+            "1e-2", "--clip-grad", "1.0", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "2",
+            "--eval-iters", "2", "--save-interval", "5", "--seed", "5", *extra]
+
+
+def _validation(lines):
+    return [(x["iteration"], x["loss"]) for x in lines if x.get("split") == "validation"]
+
+
+def _same(a, b, tol):
+    assert [x["iteration"] for x in a] == [x["iteration"] for x in b], (a, b)
+    for x, y in zip(a, b):
+        assert abs(x["loss"] - y["loss"]) <= tol and abs(x["grad_norm"] - y["grad_norm"]) <= tol, (x, y)
+
+
+@pytest.fixture(scope="module")
+def hf_run(corpora, tmp_path_factory):
+    """The BERT sample (dropout 0.1 on) on one worker, 10 iterations, checkpoints at 5 and 10."""
+    d = tmp_path_factory.mktemp("hf_ckpt")
+    model = tiny_model("bert", str(d / "bert"))
+    save = str(d / "full")
+    proc = rapidformer(*_ckpt_flags(model, corpora, "--save", save))
+    assert proc.returncode == 0, explain(proc)
+    return {"model": model, "save": save, "lines": _lines(os.path.join(save, "metrics.jsonl"))}
+
+
+def test_hf_pretrainer_falls_back_from_a_damaged_checkpoint_and_resumes_exactly(corpora, hf_run, tmp_path):
+    """(~20 s: one 1-worker run beside the fixture's.) One shard of the newest checkpoint (iteration 10) is
+    deleted: --load falls back to iteration 5 with a warning naming both, and iterations 6-10 give the
+    uninterrupted run's losses, gradient norms and validation losses (evaluation every 2 iterations: the
+    validation position is restored) within 1e-6, dropout on (the random streams are restored)."""
+    from megatron_patch.training.checkpoint.directory import read_manifest
+
+    full = hf_run["save"]
+    manifest = read_manifest(os.path.join(full, "iter_0000010"))
+    # the manifest, written last, lists every file with its size; validation read 5 evaluations x 2 x 8
+    assert {"dcp/.metadata", "dcp/__0_0.distcp", "rank_00000.pt", "train_state.pt"} <= set(manifest["files"])
+    assert manifest["consumed_samples"] == 80 and manifest["consumed_valid_samples"] == 80
+    assert os.path.isfile(os.path.join(full, "latest_checkpointed_iteration.txt"))
+    assert not [n for n in os.listdir(full) if n.endswith((".tmp", ".old"))]
+    resume = str(tmp_path / "resume")
+    shutil.copytree(full, resume)
+    os.remove(os.path.join(resume, "metrics.jsonl"))
+    os.remove(os.path.join(resume, "iter_0000010", "dcp", "__0_0.distcp"))
+    proc = rapidformer(*_ckpt_flags(hf_run["model"], corpora, "--load", resume, "--save", resume))
+    assert proc.returncode == 0, explain(proc)
+    assert (f"WARNING: {resume}/iter_0000010 is incomplete (dcp/__0_0.distcp is missing); loading the newest "
+            f"complete checkpoint before it instead: {resume}/iter_0000005") in proc.stdout, explain(proc)
+    assert "resumed from" in proc.stdout and "at iteration 5 (40 training and 32 validation samples" in proc.stdout
+    resumed = _lines(os.path.join(resume, "metrics.jsonl"))
+    _same(_train(hf_run["lines"])[5:], _train(resumed), 1e-6)
+    whole_val, resumed_val = _validation(hf_run["lines"]), _validation(resumed)
+    assert [i for i, _ in resumed_val] == [6, 8, 10]
+    for (i, a), (j, b) in zip(whole_val[2:], resumed_val):
+        assert i == j and abs(a - b) <= 1e-6, (whole_val, resumed_val)
+    assert len({round(v, 6) for _, v in whole_val}) == len(whole_val)  # each evaluation read other samples
+
+
+def test_hf_checkpoint_selection_and_refusals_in_words(hf_run, tmp_path):
+    """(< 5 s, in process.) A truncated file falls back too; with no complete checkpoint left, or the old
+    tracker name of an earlier layout, one line says what to do; a checkpoint file holding a pickled object that
+    weights_only refuses is refused naming the file (the manifest rewritten to match, as a tamperer would)."""
+    import argparse
+
+    from transformers import BertForPreTraining
+
+    from megatron_patch.accelerations.precision import Precision
+    from megatron_patch.templates.checkpoint_hf import find_checkpoint, load_checkpoint
+    from megatron_patch.templates.schedule import build_scheduler
+    from megatron_patch.training.checkpoint.directory import CheckpointError, read_manifest, write_manifest
+
+    root = str(tmp_path / "ck")
+    shutil.copytree(hf_run["save"], root)
+    assert find_checkpoint(root) == (10, [])
+    with open(os.path.join(root, "iter_0000010", "train_state.pt"), "r+b") as f:
+        f.truncate(100)
+    iteration, warnings = find_checkpoint(root)
+    assert iteration == 5 and "train_state.pt has 100 bytes" in warnings[0]
+    os.remove(os.path.join(root, "iter_0000005", "rank_00000.pt"))
+    with pytest.raises(CheckpointError, match="holds no earlier complete checkpoint"):
+        find_checkpoint(root)
+    legacy = str(tmp_path / "legacy")
+    os.makedirs(legacy)
+    with open(os.path.join(legacy, "latest_iteration.txt"), "w") as f:
+        f.write("3")
+    with pytest.raises(CheckpointError, match="latest_iteration.txt.*weights_only=True refuses"):
+        find_checkpoint(legacy)
+
+    class Planted:  # unpickling it calls os.getcwd: any function could be called there
+        def __reduce__(self):
+            return os.getcwd, ()
+
+    # a tampered rank file, the manifest's sizes rewritten
+    root = str(tmp_path / "tampered")
+    shutil.copytree(hf_run["save"], root)
+    path = os.path.join(root, "iter_0000010")
+    torch.save({"python": Planted()}, os.path.join(path, "rank_00000.pt"))
+    manifest = read_manifest(path)
+    manifest.pop("files")
+    os.remove(os.path.join(path, "checkpoint.json"))
+    write_manifest(path, manifest)
+    assert find_checkpoint(root) == (10, [])
+    model = BertForPreTraining.from_pretrained(hf_run["model"])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    args = argparse.Namespace(lr_warmup_iters=2, lr_warmup_fraction=None, lr_decay_iters=None, lr=1e-3, min_lr=0.0,
+                              lr_decay_style="linear")
+    with pytest.raises(CheckpointError, match=r"rank_00000.pt: refused to unpickle posix.getcwd\. Loading a "
+                                              "checkpoint never runs code"):
+        load_checkpoint(root, 10, model, optimizer, build_scheduler(args, optimizer, 10), Precision(None, "cpu"))
+    # the schedule and the fp16 loss scaler load under weights_only=True
+    state = torch.load(os.path.join(path, "train_state.pt"), weights_only=True)
+    assert state["scheduler"]["last_epoch"] == 10
+    scaler = Precision(torch.float16, "cpu")
+    torch.save(scaler.state_dict(), str(tmp_path / "scaler.pt"))
+    assert torch.load(str(tmp_path / "scaler.pt"), weights_only=True) == scaler.state_dict()
+
+
+def test_hf_checkpoint_loads_an_optimizer_with_an_empty_param_group(tmp_path):
+    """(< 3 s, in process.) A ZeRO-1 worker's local optimizer holds an empty param group when the partition gives
+    all of a group's parameters to other workers (DCP's set_state_dict alone fails on it: the 2-worker ZeRO-1 resume
+    crashed). Saved and loaded into a fresh model and optimizer: weights, Adam state, every group's
+    hyper-parameters and the empty group come back."""
+    from megatron_patch.accelerations.precision import Precision
+    from megatron_patch.templates.checkpoint_hf import load_checkpoint, save_checkpoint
+
+    def build(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        optimizer = torch.optim.AdamW([{"params": list(model[0].parameters()), "weight_decay": 0.0},
+                                       {"params": [], "weight_decay": 0.0},
+                                       {"params": list(model[1].parameters()), "weight_decay": 0.1}], lr=1e-2)
+        return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1 / (s + 1))
+
+    model, optimizer, scheduler = build(0)
+    for _ in range(3):
+        model(torch.randn(5, 4)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        scheduler.step()
+    save_checkpoint(str(tmp_path), 3, model, optimizer, scheduler, Precision(None, "cpu"), 24, 8)
+    model2, optimizer2, scheduler2 = build(1)
+    state = load_checkpoint(str(tmp_path), 3, model2, optimizer2, scheduler2, Precision(None, "cpu"))
+    assert (state["iteration"], state["consumed_samples"], state["consumed_valid_samples"]) == (3, 24, 8)
+    for a, b in zip(model.parameters(), model2.parameters()):
+        assert torch.equal(a, b)
+        assert all(torch.equal(optimizer.state[a][k], optimizer2.state[b][k]) for k in optimizer.state[a])
+    assert [len(g["params"]) for g in optimizer2.param_groups] == [2, 0, 2]
+    assert [(g["lr"], g["weight_decay"]) for g in optimizer2.param_groups] == \
+        [(g["lr"], g["weight_decay"]) for g in optimizer.param_groups]
+    assert scheduler2.last_epoch == 3
+
+
+def test_hf_pretrainer_two_worker_zero1_checkpoint_resumes_on_one_worker(corpora, tmp_path):
+    """(~35 s: 2 workers, then 1.) The BERT sample with ZeRO-1 on 2 workers (each saves only its optimizer
+    shard's entries), 4 samples per worker; resumed from iteration 5 on 1 worker with 2 micro batches of 4 (the
+    same global batch of 8, the same grouping: the same loss mathematically). Dropout off (the random streams
+    start from --seed at another worker count, said in the log). Iterations 6-10 and the validation losses
+    within 1e-5 of the 2-worker run."""
+    from transformers import BertConfig, BertForPreTraining
+
+    from finetune_utils import minilm_dir
+
+    model_dir = str(tmp_path / "bert")
+    torch.manual_seed(0)
+    BertForPreTraining(BertConfig(vocab_size=30522, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+                                  attention_probs_dropout_prob=0.0)).save_pretrained(model_dir)
+    shutil.copy(os.path.join(minilm_dir(), "vocab.txt"), model_dir)
+    two = str(tmp_path / "two")
+    proc = rapidformer(*_ckpt_flags(model_dir, corpora, "--nproc-per-node", "2", "--zero-1-memory-optimization",
+                                    "--save", two))
+    assert proc.returncode == 0, explain(proc)
+    assert "ZeroRedundancyOptimizer" in proc.stdout
+    with open(os.path.join(two, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("5")
+    one = str(tmp_path / "one.jsonl")
+    proc = rapidformer(*_ckpt_flags(model_dir, corpora, "--load", two, "--save", str(tmp_path / "one"),
+                                    "--metrics-file", one))
+    assert proc.returncode == 0, explain(proc)
+    assert "saved by 2 worker(s), resumed by 1: model and optimizer resharded" in proc.stdout, explain(proc)
+    assert "random streams start from --seed" in proc.stdout
+    whole, resumed = _lines(os.path.join(two, "metrics.jsonl")), _lines(one)
+    _same(_train(whole)[5:], _train(resumed), 1e-5)
+    w_val, r_val = _validation(whole), _validation(resumed)
+    assert [i for i, _ in r_val] == [6, 8, 10]
+    for (i, a), (j, b) in zip(w_val[2:], r_val):
+        assert i == j and abs(a - b) <= 1e-5, (w_val, r_val)
+
+
+# ---- dynamic-shape: contiguous micro batches, and the split across workers ----------------------------------------
+def _synthetic_batches(lengths, micro_batch_size, seq_length, vocab=100, first_id=0):
+    """Fixed-shape BERT-style micro batches of `micro_batch_size` samples with the given real lengths."""
+    g = torch.Generator().manual_seed(len(lengths) + first_id)
+    out = []
+    for start in range(0, len(lengths), micro_batch_size):
+        rows = lengths[start:start + micro_batch_size]
+        mask = torch.zeros(len(rows), seq_length, dtype=torch.int64)
+        for r, n in enumerate(rows):
+            mask[r, :n] = 1
+        ids = torch.randint(1, vocab, (len(rows), seq_length), generator=g) * mask
+        labels = torch.where((torch.rand(len(rows), seq_length, generator=g) < 0.15) & mask.bool(), ids, -100)
+        out.append({"input_ids": ids, "attention_mask": mask, "token_type_ids": torch.zeros_like(ids),
+                    "labels": labels, "next_sentence_label": torch.randint(0, 2, (len(rows),), generator=g),
+                    "sample_id": torch.arange(first_id + start, first_id + start + len(rows))})
+    return out
+
+
+def test_dynamic_shape_micro_batches_are_contiguous_at_seq_512():
+    """(~5 s.) At --seq-length 512 the micro batches are cut to widths below 512 (a strided slice of each
+    [samples, 512] tensor); they are contiguous, so transformers' BERT takes them with labels
+    (labels.view(-1) failed on the slice: the seed's PreTrainer sample at 512)."""
+    from transformers import BertConfig, BertForPreTraining
+
+    from megatron_patch.templates.pretrain_hf import DynamicShape
+
+    fixed = _synthetic_batches([30, 100, 200, 500, 40, 60, 300, 20], 4, 512)
+    dyn = DynamicShape(iter(fixed), accum=2, micro_batch_size=4, seq_length=512, multiple=64)
+    batches = [next(dyn) for _ in range(dyn.next_step())]
+    assert any(b["input_ids"].shape[0] > 1 and b["input_ids"].shape[1] < 512 for b in batches)
+    torch.manual_seed(0)
+    model = BertForPreTraining(BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                          intermediate_size=64, max_position_embeddings=512)).train(False)
+    for b in batches:
+        assert all(v.is_contiguous() for v in b.values())
+        with torch.no_grad():
+            out = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"],
+                        token_type_ids=b["token_type_ids"], labels=b["labels"],
+                        next_sentence_label=b["next_sentence_label"])
+        assert torch.isfinite(out.loss)
+
+
+def _per_sample(batch, table):
+    """A per-sample value of the real tokens only (what a loss with masked padding is), averaged over the micro
+    batch as a loss is."""
+    mask = batch["attention_mask"].float()
+    return ((table[batch["input_ids"]] * mask).sum(1) / mask.sum(1)).mean()
+
+
+def _equalize_worker(rank, store, out_dir, steps):
+    import torch.distributed as dist
+
+    from megatron_patch.data.packing import bucket_by_length
+    from megatron_patch.templates.pretrain_hf import DynamicShape
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        table = torch.randn(100, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        fixed = [b for k, step in enumerate(steps) for b in _synthetic_batches(step[rank], 2, 256,
+                                                                               first_id=1000 * rank + 8 * k)]
+        dyn = DynamicShape(iter(fixed), accum=4, micro_batch_size=2, seq_length=256, multiple=16)
+        result = []
+        for k, step in enumerate(steps):
+            own = len(bucket_by_length(step[rank], 2 * 256, 16))
+            n = dyn.next_step()
+            batches = [next(dyn) for _ in range(n)]
+            ids = sorted(i for b in batches for i in b["sample_id"].tolist())
+            dynamic = sum(w * _per_sample(b, table) for w, b in zip(dyn.weights, batches)).item()
+            reference = sum(_per_sample(b, table) for b in fixed[4 * k:4 * k + 4]).item() / 4
+            result.append({"groups": own, "micro_batches": n, "ids": ids, "weights": sum(dyn.weights),
+                           "dynamic": dynamic, "fixed": reference})
+        with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+            json.dump(result, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_dynamic_shape_splits_micro_batches_equally_across_two_workers(tmp_path):
+    """(~10 s: 2 processes, gloo.) Two steps of 8 samples per worker (4 micro batches of 2, seq 256): one worker
+    has long samples (4 micro batches after bucketing), the other short ones (1), then the reverse. `_equalize`
+    splits the fewer: both run 4 micro batches, each keeps its 8 samples once, the weights sum to 1 and the
+    step's weighted loss equals fixed-shape's."""
+    import torch.multiprocessing as mp
+
+    steps = [([250] * 8, [10, 12, 9, 11, 14, 10, 13, 8]), ([20, 9, 15, 11, 12, 10, 16, 7], [240, 230, 255, 200] * 2)]
+    mp.spawn(_equalize_worker, args=(str(tmp_path / "store"), str(tmp_path), steps), nprocs=2, join=True)
+    ranks = [json.load(open(tmp_path / f"rank{r}.json")) for r in range(2)]
+    for k in range(len(steps)):
+        a, b = ranks[0][k], ranks[1][k]
+        assert sorted([a["groups"], b["groups"]]) == [1, 4], (a, b)  # one worker must split
+        assert a["micro_batches"] == b["micro_batches"] == 4
+        for r, x in enumerate((a, b)):
+            assert x["ids"] == list(range(1000 * r + 8 * k, 1000 * r + 8 * k + 8))
+            assert abs(x["weights"] - 1) < 1e-12 and abs(x["dynamic"] - x["fixed"]) < 1e-9, x

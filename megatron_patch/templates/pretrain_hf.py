@@ -1,6 +1,7 @@
 """The PreTrainer with a Hugging Face (or any PyTorch) model: data parallel, the fine-tuning accelerations,
 --train-iters iterations of --global-batch-size samples (gradient accumulation from the batch sizes),
-evaluation every --eval-interval, checkpoints every --save-interval with exact resume from --load.
+evaluation every --eval-interval, checkpoints every --save-interval with exact resume from --load (the layout
+and its guarantees: `checkpoint_hf.py`).
 
 Batches come in Megatron's pretraining order (`PretrainingBatchSampler`: global batch k is samples
 [k*gbs, (k+1)*gbs), each worker its slice), so a resumed run reads exactly the samples the whole run would.
@@ -10,17 +11,16 @@ from __future__ import annotations
 import json
 import math
 import os
-import random
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from .globals import get_logger
+from megatron_patch.training.checkpoint.directory import TRACKER, CheckpointError
 
-CHECKPOINT_MARKER = "latest_iteration.txt"
+from .checkpoint_hf import find_checkpoint, load_checkpoint, save_checkpoint
+from .globals import get_logger
 
 
 def _world() -> tuple:
@@ -73,7 +73,9 @@ class DynamicShape:
         for idx in groups:
             idx = torch.as_tensor(idx)
             width = min(self.seq_length, int(-(-int(lengths[idx].max()) // self.multiple) * self.multiple))
-            self._queue.append({k: (v[idx][:, :width] if v.dim() >= 2 and v.shape[1] == full else v[idx])
+            # contiguous: a width slice of [samples, full] is a strided view, and models call .view() on their
+            # inputs (transformers' BERT: labels.view(-1))
+            self._queue.append({k: (v[idx][:, :width].contiguous() if v.dim() >= 2 and v.shape[1] == full else v[idx])
                                 for k, v in merged.items()})
             self.weights.append(len(idx) / total)
             self.real += int(lengths[idx].sum())
@@ -116,93 +118,6 @@ def check_not_parallel(cfg) -> None:
                           "returned a Hugging Face/PyTorch model. Drop the two flags (data parallelism and "
                           "--zero-*/--fsdp-memory-optimization shard a Hugging Face model), or build a Megatron model, "
                           "e.g. megatron_patch.models.GPTModel()")
-
-
-# ---- checkpoints ----------------------------------------------------------------------------------------------
-def _rng_state() -> Dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-def _set_rng_state(state: Dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-
-
-def _is_zero_redundancy(optimizer) -> bool:
-    return type(optimizer).__name__ == "ZeroRedundancyOptimizer"
-
-
-def save_checkpoint(path: str, iteration: int, model, optimizer, scheduler, precision) -> None:
-    """`path/iter_NNNNNNN/`: model and optimizer through torch.distributed.checkpoint (FSDP shards included;
-    ZeroRedundancyOptimizer shards one file per rank), and per rank the RNG, schedule and loss-scaler state."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    from .saving import unwrap
-
-    rank, world = _world()
-    folder = os.path.join(path, f"iter_{iteration:07d}")
-    os.makedirs(folder, exist_ok=True)
-    inner = unwrap(model)
-    zero = _is_zero_redundancy(optimizer)
-    model_sd, optim_sd = get_state_dict(inner, [] if zero else [optimizer])
-    dcp.save({"model": model_sd, **({} if zero else {"optimizer": optim_sd})}, checkpoint_id=os.path.join(folder, "dcp"))
-    local = {"rng": _rng_state(), "scheduler": scheduler.state_dict(), "world_size": world,
-             "scaler": precision.scaler.state_dict() if precision.scaler is not None else None}
-    if zero:
-        local["optimizer_shard"] = optimizer.optim.state_dict()
-    torch.save(local, os.path.join(folder, f"rank_{rank:05d}.pt"))
-    if dist.is_initialized():
-        dist.barrier()
-    if rank == 0:
-        with open(os.path.join(path, CHECKPOINT_MARKER), "w") as f:
-            f.write(str(iteration))
-
-
-def load_checkpoint(path: str, model, optimizer, scheduler, precision) -> int:
-    """Restore a checkpoint of save_checkpoint(); returns its iteration."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    from .saving import unwrap
-
-    rank, world = _world()
-    with open(os.path.join(path, CHECKPOINT_MARKER)) as f:
-        iteration = int(f.read().strip())
-    folder = os.path.join(path, f"iter_{iteration:07d}")
-    local = torch.load(os.path.join(folder, f"rank_{rank:05d}.pt"), weights_only=False)
-    if local["world_size"] != world:
-        raise ValueError(f"--load {path}: saved by {local['world_size']} workers, resumed by {world}; resume with "
-                         f"--nproc-per-node {local['world_size']} (this checkpoint resumes exactly only as it was run)")
-    inner = unwrap(model)
-    zero = _is_zero_redundancy(optimizer)
-    model_sd, optim_sd = get_state_dict(inner, [] if zero else [optimizer])
-    state = {"model": model_sd, **({} if zero else {"optimizer": optim_sd})}
-    dcp.load(state, checkpoint_id=os.path.join(folder, "dcp"))
-    if zero:
-        set_state_dict(inner, [], model_state_dict=state["model"], optim_state_dict={})
-        optimizer.optim.load_state_dict(local["optimizer_shard"])
-    else:
-        set_state_dict(inner, [optimizer], model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-    scheduler.load_state_dict(local["scheduler"])
-    # LambdaLR's load_state_dict does not touch the optimizer, and ZeroRedundancyOptimizer copies its own
-    # param_groups' lr into the local shard's at each step: set the resumed rate where both read it
-    for group, lr in zip(optimizer.param_groups, scheduler.get_last_lr()):
-        group["lr"] = lr
-    if precision.scaler is not None and local["scaler"] is not None:
-        precision.scaler.load_state_dict(local["scaler"])
-    _set_rng_state(local["rng"])
-    return iteration
-
-
-def is_checkpoint(path: Optional[str]) -> bool:
-    return bool(path) and os.path.isfile(os.path.join(path, CHECKPOINT_MARKER))
 
 
 # ---- the loop --------------------------------------------------------------------------------------------------
@@ -255,9 +170,14 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
     check_not_parallel(cfg)
     train_ds, valid_ds, _test_ds = datasets
     device = pretrainer.device
-    if not is_checkpoint(args.load) and args.load and args.load != args.pretrained_model_name_or_path:
-        raise ValueError(f"--load {args.load}: no {CHECKPOINT_MARKER} there; give a --save directory of an earlier "
-                         "run to resume, or drop --load")
+    resume = None
+    if args.load:
+        resume, warnings = find_checkpoint(args.load)  # before the model is built: a bad --load fails at once
+        for line in warnings:
+            log.info(line)
+        if resume is None and args.load != args.pretrained_model_name_or_path:
+            raise CheckpointError(f"--load {args.load}: no checkpoint there (no {TRACKER}, no iter_XXXXXXX "
+                                  "directory); give the --save directory of an earlier run to resume, or drop --load")
     acc = accelerate(model.to(device), args, device, optimizer)
     for line in acc.applied:
         log.info(f"acceleration: {line}")
@@ -271,16 +191,19 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
         scheduler = build_scheduler(args, optimizer, cfg.train_iters)
     rank, world = _world()
     accum = cfg.num_microbatches
-    start = 0
-    if is_checkpoint(args.load):
-        start = load_checkpoint(args.load, model, optimizer, scheduler, precision)
-        log.info(f"resumed from {args.load} at iteration {start}")
+    start = consumed = consumed_valid = 0
+    if resume is not None:
+        state = load_checkpoint(args.load, resume, model, optimizer, scheduler, precision)
+        start, consumed, consumed_valid = state["iteration"], state["consumed_samples"], state["consumed_valid_samples"]
+        log.info(f"resumed from {args.load} at iteration {start} ({consumed} training and {consumed_valid} validation "
+                 "samples read)" + "".join(f"; {note}" for note in state["notes"]))
     log.info(f"training: {cfg.train_iters} iterations of {cfg.global_batch_size} samples ({cfg.micro_batch_size} per "
              f"worker x {world} worker(s) x {accum} accumulation): {cfg.train_iters * cfg.global_batch_size} of the "
              f"training dataset's {len(train_ds)} samples")
     # the engine's iterators: Megatron's batch order over data-parallel ranks (here every worker), from `consumed`
-    train_iter = build_iterator(train_ds, cfg, start * cfg.global_batch_size, cycle=False)
-    valid_iter = build_iterator(valid_ds, cfg, 0, cycle=True) if cfg.eval_iters > 0 else None
+    train_iter = build_iterator(train_ds, cfg, consumed, cycle=False)
+    # validation walks on through its set from where the checkpoint left it, as the uninterrupted run does
+    valid_iter = build_iterator(valid_ds, cfg, consumed_valid, cycle=True) if cfg.eval_iters > 0 else None
     dynamic = args.data_iterator == "dynamic-shape"
     if dynamic:  # training only: validation batches stay fixed-shape, so their losses compare across runs
         # widths rounded to 64 tokens (--pad-to-multiple-of): each new batch shape costs the GPU a slow first
@@ -306,6 +229,7 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
         if not skipped:
             scheduler.step()
         since += 1
+        consumed += cfg.global_batch_size
         record = {"iteration": iteration, "loss": _mean(loss_sum), "lr": lr,
                   "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "skipped": bool(skipped)}
         loss_sum = torch.zeros((), device=device)
@@ -326,14 +250,17 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
             tick, since = time.perf_counter(), 0
         if valid_iter is not None and cfg.eval_interval and iteration % cfg.eval_interval == 0:
             _validate(pretrainer, model, precision, valid_iter, cfg, iteration, reporter, history)
+            consumed_valid += cfg.eval_iters * cfg.global_batch_size  # what _validate read over all workers
             tick = time.perf_counter()
         if args.save and args.save_interval and iteration % args.save_interval == 0:
-            save_checkpoint(args.save, iteration, model, optimizer, scheduler, precision)
-            log.info(f"saved checkpoint iteration {iteration} to {args.save}")
+            saved = save_checkpoint(args.save, iteration, model, optimizer, scheduler, precision, consumed,
+                                    consumed_valid)
+            log.info(f"saved checkpoint {saved}")
             tick = time.perf_counter()
-    if args.save and (not args.save_interval or cfg.train_iters % args.save_interval):
-        save_checkpoint(args.save, cfg.train_iters, model, optimizer, scheduler, precision)
-        log.info(f"saved checkpoint iteration {cfg.train_iters} to {args.save}")
+    if args.save and (not args.save_interval or cfg.train_iters % args.save_interval) and start < cfg.train_iters:
+        saved = save_checkpoint(args.save, cfg.train_iters, model, optimizer, scheduler, precision, consumed,
+                                consumed_valid)
+        log.info(f"saved checkpoint {saved}")
     reporter.close()
     pretrainer.model = model
     return history

@@ -4,7 +4,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import pickle
-import re
 import shutil
 from dataclasses import dataclass
 from typing import Dict, List, Optional
@@ -39,16 +38,6 @@ def _versions() -> Dict[str, str]:
 
     return {"torch": torch.__version__, "megatron_core": getattr(megatron.core, "__version__", "?"),
             "megatron_patch": getattr(megatron_patch, "__version__", "?")}
-
-
-def _refused_unpickling(e: BaseException) -> Optional[str]:
-    """The first line of an unpickling refusal in `e`, or inside DCP's per-rank CheckpointException."""
-    causes = [e] if isinstance(e, pickle.UnpicklingError) else [exc for exc, _ in getattr(e, "failures", {}).values()]
-    for cause in causes:
-        if isinstance(cause, pickle.UnpicklingError):
-            found = re.search(r"GLOBAL (\S+) was not an allowed global", str(cause))  # torch's weights_only refusal
-            return f"refused to unpickle {found.group(1)}." if found else str(cause).splitlines()[0]
-    return None
 
 
 def _print0(msg: str) -> None:
@@ -99,12 +88,7 @@ class Checkpointer:
                 "contents": ["model"] if model_only else ["model", "optimizer", "rng", "scheduler"],
                 "scheduler": None if model_only else self.scheduler.state_dict(),
                 "config": dataclasses.asdict(self.cfg), "model": self.model_info, "versions": _versions()})
-            old = final + ".old"
-            if os.path.exists(final):  # saving an iteration again (a resumed run): keep the old until the new is in
-                os.replace(final, old)
-            os.replace(tmp, final)
-            directory.write_tracker(root, state.iteration)  # last: only a complete checkpoint is ever named
-            shutil.rmtree(old, ignore_errors=True)
+            directory.publish(tmp, root, state.iteration)  # iter_N.tmp -> iter_N, then the tracker
             if self.cfg.keep_last_n:
                 directory.prune(root, self.cfg.keep_last_n)
         dist.barrier()
@@ -146,7 +130,7 @@ class Checkpointer:
             self.backend.load(path, self.model, self.optimizer, load_optimizer=load_optimizer,
                               load_rng=same_model_layout and not model_only)
         except (pickle.UnpicklingError, CheckpointException) as e:
-            refused = _refused_unpickling(e)  # raised by the safe-loading patches (megatron_patch.compat.safe_loading)
+            refused = directory.refused_unpickling(e)  # raised by the safe-loading patches (megatron_patch.compat.safe_loading)
             if refused is None:
                 raise
             raise CheckpointError(f"{path}: {refused} Loading a checkpoint never runs code that it contains; this one "

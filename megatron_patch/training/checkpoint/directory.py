@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import re
 import shutil
 from typing import Dict, List, Optional, Tuple
@@ -81,6 +82,33 @@ def write_manifest(path: str, manifest: Dict) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, os.path.join(path, MANIFEST))
+
+
+def publish(tmp: str, root: str, iteration: int) -> None:
+    """Rename the finished `tmp` (its manifest written) to `iter_N/`, then point the tracker at it.
+
+    Saving an iteration again (a resumed run writing into its --load directory) keeps the old directory
+    until the new one is in place."""
+    final = checkpoint_dir(root, iteration)
+    old = final + ".old"
+    if os.path.exists(final):
+        os.replace(final, old)
+    os.replace(tmp, final)
+    write_tracker(root, iteration)  # last: only a complete checkpoint is ever named
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def refused_unpickling(e: BaseException) -> Optional[str]:
+    """The first line of an unpickling refusal in `e` (torch.load(weights_only=True), the safe-loading
+    patches), or inside DCP's per-rank CheckpointException; None when `e` is another error."""
+    causes = [e] if isinstance(e, pickle.UnpicklingError) else [exc for exc, _ in getattr(e, "failures", {}).values()]
+    for cause in causes:
+        if isinstance(cause, pickle.UnpicklingError):
+            # torch's weights_only refusals: "GLOBAL m.f was not an allowed global", "unsupported GLOBAL m.f whose
+            # module m is blocked"
+            found = re.search(r"GLOBAL ([\w.]+)", str(cause))
+            return f"refused to unpickle {found.group(1)}." if found else str(cause).splitlines()[0]
+    return None
 
 
 def read_manifest(path: str) -> Dict:
