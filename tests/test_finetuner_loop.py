@@ -12,6 +12,9 @@
   file's own predictions from the saved model (the 2-worker run under ZeRO-3: evaluation through FSDP2 and
   the gathered save). `--task causal_lm` on 2 workers: its loss is the mean next-token cross-entropy over
   every validation token, computed here from the saved model.
+- data order: the same white-box Finetuner run 2 epochs on 23 training rows (1 worker here, 2 in the spawn)
+  records the ids it trained on: each epoch covers the training set once (the sampler's one repeat aside) and
+  the second epoch's order differs from the first (the sampler's set_epoch); about 3 s of the budget.
 
 Budget: about 40 s of CPU in all (the spawn of 2 workers importing transformers is much of it).
 """
@@ -36,6 +39,8 @@ MAX_LENGTH = 48  # --seq-length of the black-box runs
 TOL = 1e-5
 # white-box runs: (workers, micro batch); --global-batch-size 8 always, so accumulation 8 / (micro x workers)
 WHITE = {"one_batch": (1, 8), "accum_1w": (1, 4), "accum_2w": (2, 2)}
+# the reshuffle between epochs: 2 epochs of an odd training set (2 workers: one sampler repeat per epoch)
+EPOCHS = dict(length=("--epochs", "2"), n_train=N_TRAIN - 1)
 WHITE_RECORDS = ["one_batch", "accum_1w", "accum_2w", "accum_2w_rank1", "accum_2w_zero3", "accum_2w_zero3_rank1"]
 
 
@@ -76,15 +81,16 @@ def _tiny_classifier():
     return transformers.BertForSequenceClassification(cfg)
 
 
-def _whitebox_class():
+def _whitebox_class(n_train: int = N_TRAIN):
     from megatron_patch.templates.finetuner import Finetuner
 
     class WhiteBox(Finetuner):
-        """Train rows have ids 1000+, validation rows 0..12: what an evaluation gathered shows which split it read."""
+        """Train rows have ids 1000+, validation rows 0..12: what an evaluation gathered shows which split it read.
+        `trained` lists the ids of each training batch, `epoch_ends` how many there were at each evaluation."""
 
         def train_valid_test_datasets_provider(self):
-            self.losses, self.evaluations = [], []
-            return _rows(N_TRAIN, 1000, 1), _rows(N_VALID, 0, 2), None, torch.utils.data.default_collate
+            self.losses, self.evaluations, self.trained, self.epoch_ends = [], [], [], []
+            return _rows(n_train, 1000, 1), _rows(N_VALID, 0, 2), None, torch.utils.data.default_collate
 
         def model_optimizer_lr_scheduler_provider(self):
             model = _tiny_classifier()
@@ -93,9 +99,11 @@ def _whitebox_class():
         def run_forward_step(self, batch, model):
             loss = model(input_ids=batch["input_ids"], labels=batch["labels"]).loss
             self.losses.append(loss.item())
+            self.trained.append(batch["idx"].tolist())
             return loss
 
         def run_compute_metrics(self, model, eval_dataloader):
+            self.epoch_ends.append(len(self.trained))
             ids, predictions, labels = [], [], []
             for batch in eval_dataloader:
                 logits = model[0](input_ids=batch["input_ids"]).logits
@@ -108,17 +116,17 @@ def _whitebox_class():
     return WhiteBox
 
 
-def _whitebox(world: int, micro: int, *extra: str) -> dict:
+def _whitebox(world: int, micro: int, *extra: str, length=("--train-iters", "3"), n_train: int = N_TRAIN) -> dict:
     from megatron_patch.cli.arguments import parse_args
     from megatron_patch.cli.rules import check
     from megatron_patch.templates.engine import RapidformerEngine
 
     # --user-script names this file only to pass the front end's rules: the class above is the user's Finetuner
     argv = ["--user-script", os.path.abspath(__file__), "--micro-batch-size", str(micro), "--global-batch-size", "8",
-            "--train-iters", "3", "--lr", "0.5", "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
+            *length, "--lr", "0.5", "--lr-decay-style", "constant", "--lr-warmup-iters", "0",
             "--clip-grad", "0", "--weight-decay", "0", "--seed", "7", "--eval-at-start", *extra]
     args = check(parse_args(argv), world_size=world)
-    tuner = _whitebox_class()(RapidformerEngine(args))
+    tuner = _whitebox_class(n_train)(RapidformerEngine(args))
     metrics = tuner.train()
     from megatron_patch.templates.saving import full_state_dict
 
@@ -126,6 +134,7 @@ def _whitebox(world: int, micro: int, *extra: str) -> dict:
     weights = full_state_dict(tuner.model) if dist.is_initialized() else tuner.model.state_dict()
     return {"accumulation": args.grad_accumulation, "losses": tuner.losses, "norms": RecordingSGD.last.norms,
             "metrics": metrics, "evaluations": tuner.evaluations,
+            "epochs": [sum(tuner.trained[a:b], []) for a, b in zip(tuner.epoch_ends, tuner.epoch_ends[1:])],
             "weights": {k: v.tolist() for k, v in weights.items()} or None}
 
 
@@ -176,6 +185,7 @@ def _two_workers(rank: int, port: int, tmp: str, out: str) -> None:
         result = {"white": _whitebox(world, micro),
                   # FSDP2's accumulation: gradient sync off (set_requires_gradient_sync) but the last micro batch
                   "white_zero3": _whitebox(world, micro, "--zero-3-memory-optimization"),
+                  "white_epochs": _whitebox(world, micro, **EPOCHS),
                   # under ZeRO-3: evaluation through FSDP2, and save_pretrained gathers the shards
                   "black": _blackbox("sequence_classification", f"{tmp}/data", f"{tmp}/model", f"{tmp}/save2",
                                      "--zero-3-memory-optimization"),
@@ -206,9 +216,10 @@ def runs(tmp_path_factory):
     white["accum_2w_rank1"] = two[1]["white"]
     white["accum_2w_zero3"] = two[0]["white_zero3"]
     white["accum_2w_zero3_rank1"] = two[1]["white_zero3"]
+    epochs = {1: [_whitebox(1, 4, **EPOCHS)["epochs"]], 2: [two[r]["white_epochs"]["epochs"] for r in range(2)]}
     black = {1: (_blackbox("sequence_classification", data, model, str(tmp / "save1")), tmp / "save1"),
              2: (two[0]["black"], tmp / "save2")}
-    return {"white": white, "black": black, "data": data, "lm": (two[0]["lm"], tmp / "lm_save2", tmp / "lm_data")}
+    return {"white": white, "epochs": epochs, "black": black, "data": data, "lm": (two[0]["lm"], tmp / "lm_save2", tmp / "lm_data")}
 
 
 def _close(a, b, what):
@@ -331,3 +342,23 @@ def test_causal_lm_perplexity_is_over_every_validation_token_once(runs):
     last = [l for l in (json.loads(x) for x in open(save / "metrics.jsonl")) if l["split"] == "validation"][-1]
     assert last["loss"] == pytest.approx(total / count, rel=1e-5), (last, total / count)
     assert last["perplexity"] == pytest.approx(math.exp(total / count), rel=1e-5)
+
+
+# ---------------------------------------------------------------- data order: every epoch, a new permutation
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_each_epoch_reads_every_training_sample_once_in_a_new_order(runs, workers):
+    """2 epochs of 23 training rows: in each epoch the workers' batches together hold every row once (with 2
+    workers one row twice: the sampler's repeat that evens the shares); the order is shuffled and the second
+    epoch's differs from the first on every worker (the sampler's set_epoch)."""
+    per_rank = runs["epochs"][workers]
+    n = EPOCHS["n_train"]
+    everything = list(range(1000, 1000 + n))
+    assert all(len(epochs) == 2 for epochs in per_rank), per_rank
+    for epoch in range(2):
+        seen = sorted(sum((epochs[epoch] for epochs in per_rank), []))
+        assert sorted(set(seen)) == everything, (epoch, seen)
+        assert len(seen) == n + (-n) % workers, (epoch, seen)  # repeats: only the sampler's padding
+    for epochs in per_rank:
+        assert epochs[0] != epochs[1], epochs
+        assert epochs[0] != sorted(epochs[0]) and epochs[1] != sorted(epochs[1]), epochs  # shuffled
