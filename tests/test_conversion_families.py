@@ -30,8 +30,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conversion_utils import (  # noqa: E402
-    FAMILIES, LAYOUTS, VOCAB, assert_no_staging_dirs, assert_same_tensors, build_hf_model, explain, files_under, layout_flags, manifest,
-    padded_vocab, planted_environment, read_safetensors_dir, run_convert, save_hf_model, vocab_flags,
+    FAMILIES, LAYOUTS, VOCAB, assert_no_staging_dirs, assert_same_tensors, build_hf_model, explain, files_under,
+    layout_flags, manifest, padded_vocab, planted_environment, read_safetensors_dir, run_convert, save_hf_model, vocab_flags,
 )
 from engine_utils import run_engine  # noqa: E402
 
