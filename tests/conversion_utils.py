@@ -211,6 +211,12 @@ def files_under(path: str):
     return sorted(os.path.relpath(os.path.join(d, f), path) for d, _, fs in os.walk(path) for f in fs)
 
 
+def assert_no_staging_dirs(parent: str) -> None:
+    """No conversion left its staging directory (`.<name>.partial-*`, convert.publish) in `parent`."""
+    left = [n for n in os.listdir(parent) if ".partial-" in n]
+    assert not left, f"a conversion left its staging directory behind in {parent}: {left}"
+
+
 # ------------------------------------------------------------------------------------------- planted bugs
 
 def to_meta_rotary_layout(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ conversion's refusals of broken Hugging Face files.
 3. verify's comparison sees a difference at any single position (unit), and covers every learned
    position row (unit).
 4. A truncated or corrupt safetensors file: one line naming it, exit 2, before any worker starts.
+5. Staging (unit): a conversion's directory is published by rename only when complete and verified.
 
 Budget: the Qwen2 training ~25 s (one process), each mcore2hf with verify ~15 s, the rest a few seconds.
 """
@@ -25,7 +26,9 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from conversion_utils import explain, files_under, late_token, run_convert, save_hf_model  # noqa: E402
+from conversion_utils import (  # noqa: E402
+    assert_no_staging_dirs, explain, files_under, late_token, run_convert, save_hf_model,
+)
 from engine_utils import run_engine  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "trained_model_worker.py")
@@ -72,11 +75,6 @@ def _hf_logits(model_dir: str, tokens: torch.Tensor, **config_changes) -> torch.
         return model(input_ids=tokens).logits.float()
 
 
-def _no_partial_dirs(parent: str) -> None:
-    left = [n for n in os.listdir(parent) if ".partial-" in n]
-    assert not left, f"an export left its staging directory behind: {left}"
-
-
 @pytest.mark.parametrize("family", [pytest.param(f, marks=() if f == "qwen2" else pytest.mark.slow)
                                     for f in FAMILIES])
 def test_export_of_an_engine_trained_model_is_that_model(family, trained, tmp_path):
@@ -85,7 +83,7 @@ def test_export_of_an_engine_trained_model_is_that_model(family, trained, tmp_pa
     proc = run_convert("--direction", "mcore2hf", "--load-dir", ck, "--save-dir", out)  # verify: on by default
     assert proc.returncode == 0, explain(proc)
     assert "verify passed" in proc.stdout and f"saved {out}" in proc.stdout, explain(proc)
-    _no_partial_dirs(str(tmp_path))
+    assert_no_staging_dirs(str(tmp_path))
 
     config = json.load(open(os.path.join(out, "config.json")))
     _, groups, tied = FAMILIES[family]
@@ -129,12 +127,57 @@ def test_a_wrong_export_fails_verify_and_leaves_nothing(trained, tmp_path):
     assert len(errors) == 1 and errors[0].startswith("verification failed"), explain(proc)
     assert "Traceback" not in proc.stderr, explain(proc)
     assert not out.exists() and f"nothing written to {out}" in proc.stdout, explain(proc)
-    _no_partial_dirs(str(tmp_path))
+    assert_no_staging_dirs(str(tmp_path))
 
     proc = run_convert("--direction", "mcore2hf", "--load-dir", ck, "--save-dir", str(out), "--no-verify",
                        plant="export_late_token_row")
     assert proc.returncode == 0 and "verify" not in proc.stdout.replace("--no-verify", ""), explain(proc)
     assert "model.safetensors" in files_under(str(out))
+
+
+# ------------------------------------------------------------------------------------------- staging, unit
+
+def test_publish_renames_only_a_complete_conversion(tmp_path, capsys):
+    """convert.publish, which both directions write through: the files go to a staging directory next to
+    --save-dir, which becomes --save-dir on exit status 0 only. A failed verify (3), a conversion error (2), a
+    worker that died (1), an exception or Ctrl-C leave --save-dir as it was (absent, or the empty directory the
+    user made) and no staging directory, and say so. Budget < 1 s."""
+    import shutil
+
+    from megatron_patch.conversion.convert import publish
+
+    def writer(status=0, error=None):
+        def write(staging: str) -> int:
+            assert os.path.dirname(staging) == str(tmp_path) and os.path.basename(staging).startswith(".out.partial-")
+            with open(os.path.join(staging, "model.bin"), "w") as f:
+                f.write("weights")
+            if error is not None:
+                raise error
+            return status
+        return write
+
+    out = tmp_path / "out"
+    umask = os.umask(0)
+    os.umask(umask)
+    for made_by_user in (False, True):
+        if made_by_user:
+            out.mkdir()
+        for status, error, why in ((3, None, "it failed verification"), (2, None, "the conversion failed"),
+                                   (1, None, "the conversion failed"), (None, KeyboardInterrupt(), "interrupted"),
+                                   (None, RuntimeError("a bug"), "the conversion failed")):
+            if error is None:
+                assert publish(str(out), "hf2mcore", writer(status), True) == status
+            else:
+                with pytest.raises(type(error)):
+                    publish(str(out), "hf2mcore", writer(error=error), True)
+            assert out.exists() == made_by_user and files_under(str(out)) == [], (status, error)
+            assert_no_staging_dirs(str(tmp_path))
+            assert f"hf2mcore: nothing written to {out} ({why})" in capsys.readouterr().out
+        assert publish(str(out), "hf2mcore", writer(0), False) == 0
+        assert files_under(str(out)) == ["model.bin"] and os.stat(out).st_mode & 0o777 == 0o777 & ~umask
+        assert_no_staging_dirs(str(tmp_path))
+        assert f"saved {out} (not verified" in capsys.readouterr().out
+        shutil.rmtree(out)
 
 
 # ------------------------------------------------------------------------------------------- verify, unit

@@ -247,10 +247,12 @@ def test_round_trip_verifies_and_reproduces_every_tensor(family, layout, hf_dir,
     proc = run_convert("--direction", "hf2mcore", "--load-dir", src, "--save-dir", ck, *layout_flags(layout), "--verify")
     assert proc.returncode == 0 and "verify passed" in proc.stdout, explain(proc)
     print(re.search(r"verify passed: max \|logit difference\| \S+", proc.stdout).group(0), f"({family} {layout})")
+    assert os.listdir(tmp_path) == ["ck"], "hf2mcore left its staging directory or wrote elsewhere"
     tp, pp, ep, etp = LAYOUTS[layout]
     m = manifest(ck)
     assert (m["layout"]["tp"], m["layout"]["pp"], m["iteration"]) == (tp, pp, 0)
     assert m["layout"]["ep"] == ep and m["layout"]["etp"] == (etp or tp)
+    assert m["config"]["save"] == ck  # the directory it was published as, not the staging one
     export_verify = ["--verify"] if (family, layout) not in FAST else ["--no-verify"]  # CI time: checked bit for bit
     proc = run_convert("--direction", "mcore2hf", "--load-dir", ck, "--save-dir", out, *export_verify)
     assert proc.returncode == 0 and ("verify passed" in proc.stdout or export_verify == ["--no-verify"]), explain(proc)

@@ -14,9 +14,14 @@
 verify.py; BERT: hidden states and heads, verify_bert.py). mcore2hf verifies by default, whatever the
 checkpoint's origin (trained in the engine, converted, or trained after a conversion): an export is what
 leaves the engine, so it is proved unless `--no-verify` says otherwise (e.g. a model too large to hold twice
-in fp32). Its files are written into a hidden directory next to --save-dir and renamed to --save-dir once
-the export is complete and verified, so a failed export leaves nothing behind. hf2mcore verifies on request
-(`--verify`).
+in fp32). hf2mcore verifies on request (`--verify`). The rule: what leaves the engine is proved by default;
+an import has every tensor checked for use and shape as it loads, and the model trained from it is proved
+when it is exported, so by default it does not pay for a second model in fp32.
+
+Both directions stage (publish()): the workers write into a hidden `.<name>.partial-*` directory next to
+--save-dir, --verify reads it there, and it is renamed to --save-dir only once complete and verified. A
+conversion error, a failed verify or Ctrl-C removes it: nothing is left at --save-dir. hf2mcore's stored
+configuration (checkpoint.json "config": `save`) names --save-dir, not the staging directory.
 
 mcore2hf describes the model that was built, not the arguments as given: dimensions a run left at their
 defaults (stored as None) are derived by the engine's own model builder (architecture.py), and the written
@@ -33,9 +38,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 ROOT_HELP = "Convert checkpoints between Hugging Face and the engine (megatron-core), both ways, any TP/PP."
+STAGING_INFIX = ".partial-"  # .<name>.partial-XXXX next to --save-dir: a conversion being written
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 
 
@@ -151,14 +157,19 @@ def hf2mcore(a: argparse.Namespace) -> int:
     print(f"hf2mcore: {a.load_dir} ({config.get('model_type')}, {hf_dtype}) -> {a.save_dir} at TP {tp} PP {pp}"
           f"{experts}, {nproc} worker process(es)", flush=True)
     layout = ["--tp", str(tp), "--pp", str(pp), "--ep", str(ep)] + (["--etp", str(etp)] if etp else [])
-    status = run_workers(nproc, ["hf2mcore", "--load-dir", a.load_dir, "--save-dir", a.save_dir, *layout,
-                                   "--make-vocab-size-divisible-by", str(a.make_vocab_size_divisible_by),
-                                   "--hf-dtype", hf_dtype])
-    if status or not a.verify:
-        return status
-    # The written checkpoint, read back in the target layout, against the Hugging Face model.
-    return run_workers(nproc, ["verify", "--load-dir", a.save_dir, "--hf-dir", a.load_dir, *layout]
-                       + (["--debug"] if a.debug else []))
+
+    def convert(staging: str) -> int:
+        status = run_workers(nproc, ["hf2mcore", "--load-dir", a.load_dir, "--save-dir", staging,
+                                     "--publish-dir", a.save_dir, *layout,
+                                     "--make-vocab-size-divisible-by", str(a.make_vocab_size_divisible_by),
+                                     "--hf-dtype", hf_dtype])
+        if status or not a.verify:
+            return status
+        # The written checkpoint, read back in the target layout, against the Hugging Face model.
+        return run_workers(nproc, ["verify", "--load-dir", staging, "--hf-dir", a.load_dir, *layout]
+                           + (["--debug"] if a.debug else []))
+
+    return publish(a.save_dir, "hf2mcore", convert, a.verify)
 
 
 def _export_tokenizer(cfg: dict, model_info: dict, save_dir: str) -> List[str]:
@@ -197,16 +208,43 @@ def _staging_dir(save_dir: str) -> str:
     """A new hidden directory next to `save_dir` (same file system: the final rename is atomic)."""
     parent, name = os.path.split(os.path.abspath(save_dir))
     os.makedirs(parent, exist_ok=True)
-    path = tempfile.mkdtemp(prefix=f".{name}.partial-", dir=parent)
+    path = tempfile.mkdtemp(prefix=f".{name}{STAGING_INFIX}", dir=parent)
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(path, 0o777 & ~umask)  # mkdtemp's 0700 would stay with the published directory
     return path
 
 
+def publish(save_dir: str, direction: str, write: Callable[[str], int], verified: bool) -> int:
+    """Run `write(staging)`, which fills a new staging directory next to `save_dir` and returns an exit status
+    (0 ok, 2 conversion error, 3 verification failed); on 0 the staging directory is renamed to `save_dir`
+    (an empty one is replaced). Otherwise, or when `write` raises (Ctrl-C included), the staging directory is
+    removed: `save_dir` is then as it was before, absent or empty."""
+    import shutil
+
+    staging = _staging_dir(save_dir)
+    status, why = None, "the conversion failed"
+    try:
+        status = write(staging)
+        if status == 0:
+            os.replace(staging, save_dir)  # a non-empty --save-dir was refused before anything was written
+    except KeyboardInterrupt:
+        why = "interrupted"
+        raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already when published
+        if status != 0:
+            why = "it failed verification" if status == 3 else why
+            print(f"{direction}: nothing written to {save_dir} ({why})", flush=True)
+    if status:
+        return status
+    unverified = " (not verified: --no-verify)" if direction == "mcore2hf" else " (not verified: see --verify)"
+    print(f"saved {save_dir}" + ("" if verified else unverified), flush=True)
+    return 0
+
+
 def mcore2hf(a: argparse.Namespace) -> int:
     import dataclasses
-    import shutil
 
     from megatron_patch.config import Config
 
@@ -230,20 +268,15 @@ def mcore2hf(a: argparse.Namespace) -> int:
         raise ConversionError(f"{a.load_dir}: the {family.TABLE.family} table "
                               + (f"needs {', '.join(missing[:3])}, which the checkpoint lacks" if missing else
                                  f"does not use {', '.join(extra[:3])}: converting would drop them"))
-    staging = _staging_dir(a.save_dir)
-    try:
+
+    def export(staging: str) -> int:
         name = _write_export(a, reader, cfg, family, info, rules, staging)
-        if a.verify:
-            status = run_workers(1, ["verify", "--load-dir", a.load_dir, "--hf-dir", staging, "--dtype", DTYPES[name]]
-                                 + (["--debug"] if a.debug else []))
-            if status:
-                print(f"mcore2hf: nothing written to {a.save_dir} (the export failed verification)", flush=True)
-                return status
-        os.replace(staging, a.save_dir)  # an empty --save-dir is replaced; a non-empty one was refused above
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)  # gone already when published
-    print(f"saved {a.save_dir}" + ("" if a.verify else " (not verified: --no-verify)"), flush=True)
-    return 0
+        if not a.verify:
+            return 0
+        return run_workers(1, ["verify", "--load-dir", a.load_dir, "--hf-dir", staging, "--dtype", DTYPES[name]]
+                           + (["--debug"] if a.debug else []))
+
+    return publish(a.save_dir, "mcore2hf", export, a.verify)
 
 
 def _write_export(a: argparse.Namespace, reader, cfg, family, info: dict, rules, out: str) -> str:
@@ -298,3 +331,5 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (ConversionError, HFCheckpointError, CheckpointError) as e:
         print(f"conversion error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the workers got it too; publish() said what is left (nothing)
+        return 130

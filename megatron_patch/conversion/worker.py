@@ -74,7 +74,10 @@ def hf2mcore(args) -> int:
     model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
     info = model_info(cfg, cfg.model_vocab_size)
     info["hf_dtype"] = args.hf_dtype
-    Checkpointer(cfg, model, None, None, model_info=info).save(TrainState(), consume_model=True)
+    # Written into the parent's staging directory (--save-dir), which it renames to --publish-dir once verified:
+    # the stored configuration names the directory the checkpoint is published as, not the staging one.
+    cfg.save = args.publish_dir or args.save_dir
+    Checkpointer(cfg, model, None, None, model_info=info).save(TrainState(), consume_model=True, root=args.save_dir)
     return 0
 
 
@@ -133,6 +136,7 @@ def main(argv=None) -> int:
     p.add_argument("task", choices=["hf2mcore", "verify"])
     p.add_argument("--load-dir", required=True)
     p.add_argument("--save-dir")
+    p.add_argument("--publish-dir", help="hf2mcore: the directory --save-dir becomes (the stored --save)")
     p.add_argument("--hf-dir")
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)

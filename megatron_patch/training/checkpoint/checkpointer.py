@@ -69,10 +69,12 @@ class Checkpointer:
             return False
         return stopping or bool(self.cfg.save_interval and iteration % self.cfg.save_interval == 0)
 
-    def save(self, state: TrainState, consume_model: bool = False) -> str:
+    def save(self, state: TrainState, consume_model: bool = False, root: Optional[str] = None) -> str:
         """Write checkpoint `state.iteration` under --save; collective (every rank calls it).
-        `consume_model`: the model is not used after this (a conversion); its memory may be freed while saving."""
-        root = self.cfg.save
+        `consume_model`: the model is not used after this (a conversion); its memory may be freed while saving.
+        `root`: write under this directory instead, which becomes --save later (a conversion's staging
+        directory, renamed once verified); the stored configuration still names --save."""
+        root = root or self.cfg.save
         final = checkpoint_dir(root, state.iteration)
         tmp = final + ".tmp"
         if dist.get_rank() == 0:
