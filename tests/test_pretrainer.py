@@ -417,7 +417,7 @@ def _ckpt_flags(model, corpora, *extra):
     samples), a checkpoint every 5."""
     return ["--user-script", BERT_SAMPLE, "--pretrained-model-name-or-path", model, "--micro-batch-size", "4",
             "--global-batch-size", "8", "--seq-length", "64", "--tokenizer-type", "BertWordPieceLowerCase",
-            "--max-position-embeddings", "64", "--train-iters", "10", "--data-path", corpora["bert"], "--vocab-file",
+            "--train-iters", "10", "--data-path", corpora["bert"], "--vocab-file",
             corpora["wp_vocab"], "--split", "980,20", "--lr", "1e-3", "--lr-decay-style", "linear", "--weight-decay",
             "1e-2", "--clip-grad", "1.0", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "2",
             "--eval-iters", "2", "--save-interval", "5", "--seed", "5", *extra]
