@@ -609,11 +609,11 @@ def test_hf_resume_refuses_a_changed_schedule(corpora, hf_run, change):
         assert override.settings != keep.settings  # the weight decay is in the settings, not in the lr's Schedule
 
 
-def test_hf_resume_schedule_rules(corpora, hf_run):
+def test_hf_resume_schedule_rules(corpora, hf_run, tmp_path):
     """(In process, < 1 s.) The same schedule is no change: another --global-batch-size with the same iterations
     (the HF loop's LambdaLR counts optimizer steps, not samples) and a --train-iters inside a decay that goes on.
-    The scheduler flags are refused where they cannot act, and --task pretraining refuses a changed schedule
-    before launch (the front end's validate())."""
+    The scheduler flags are refused where they cannot act, an engine checkpoint is left to the loader's refusal,
+    and --task pretraining refuses a changed schedule before launch (the front end's validate())."""
     from megatron_patch.cli.arguments import UsageError, parse_args
     from megatron_patch.cli.rules import check
     from megatron_patch.config import ConfigError
@@ -633,6 +633,13 @@ def test_hf_resume_schedule_rules(corpora, hf_run):
                                           r"model_optimizer_lr_scheduler_provider\(\) restores its own state; drop"):
         plan(_hf_config(model, corpora, "--override-opt-param-scheduler"), ck, 5, own_scheduler=True)
     assert plan(_hf_config(model, corpora, "--lr", "2e-3"), ck, 5, own_scheduler=True).schedule is None
+    # an engine checkpoint is not compared as one of ours: loading it refuses it, naming what it is
+    engine = tmp_path / "engine" / "iter_0000005"
+    engine.mkdir(parents=True)
+    manifest = json.loads(open(os.path.join(ck, "iter_0000005", "checkpoint.json")).read())
+    (engine / "checkpoint.json").write_text(json.dumps(dict(manifest, format="torch_dist", layout={})))
+    assert not plan(_hf_config(model, corpora, "--lr", "2e-3"), str(tmp_path / "engine"), 5,
+                    own_scheduler=False).from_checkpoint
     blackbox = ["--task", "pretraining", "--pretrained-model-name-or-path", model, "--micro-batch-size", "4",
                 "--global-batch-size", "8", "--seq-length", "64", "--tokenizer-type", "BertWordPieceLowerCase",
                 "--vocab-file", corpora["wp_vocab"], "--data-path", corpora["bert"], "--split", "980,20", "--lr",
@@ -723,8 +730,9 @@ def test_hf_pretrainer_refusals_are_one_line_exit_2(corpora, hf_run, tmp_path):
     proc = rapidformer(*_ckpt_flags(hf_run["model"], corpora, "--load", ck, "--save", str(tmp_path / "out"),
                                     "--train-iters", "12"))
     assert proc.returncode == 2, explain(proc)
-    assert proc.stderr.startswith(f"rapidformer: error: --load {ck} (iteration 10) continues a learning-rate schedule "
-                                  "that this run's flags change: lr decay over 10 iterations in the checkpoint, 12 here")
+    assert proc.stderr.startswith(f"rapidformer: error: --load {ck} (iteration 10) continues a learning-rate "
+                                  "schedule that this run's flags change: lr decay over 10 iterations in the "
+                                  "checkpoint, 12 here")
     assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stdout + proc.stderr, explain(proc)
     empty = str(tmp_path / "empty")
     os.makedirs(empty)

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 from megatron_patch.config import Config, ConfigError
-from megatron_patch.config.resume import HF, check_schedule, check_scheduler_flags, scheduler_settings
+from megatron_patch.config.resume import HF, HF_FORMAT, check_schedule, check_scheduler_flags, scheduler_settings
 from megatron_patch.training.checkpoint.directory import checkpoint_dir, read_manifest
 
 from .schedule import Schedule
@@ -61,6 +61,8 @@ def plan(cfg: Config, load: Optional[str], iteration: Optional[int], own_schedul
         return mine
     where = f"--load {load}"
     manifest = read_manifest(checkpoint_dir(load, iteration))
+    if manifest.get("format") != HF_FORMAT:
+        return mine  # an engine checkpoint: loading it refuses it, saying what it is
     refusal = check_schedule(cfg, manifest, where)
     if refusal:
         raise ConfigError(refusal)

@@ -40,6 +40,12 @@ PLANTS = [
          property="--use-checkpoint-opt-param-scheduler keeps the checkpoint's weight decay, not this run's "
                   "--weight-decay",
          tests=[f"{PT}::test_hf_use_checkpoint_continues_like_the_uninterrupted_run"]),
+    dict(name="engine-checkpoint-compared-as-hf", file="megatron_patch/templates/resume_hf.py",
+         original='    if manifest.get("format") != HF_FORMAT:\n',
+         replacement='    if manifest.get("format") is None:\n',
+         property="an engine checkpoint given to the HF PreTrainer reaches the loader's refusal (what it is, how to "
+                  "load it), not the engine's schedule comparison",
+         tests=[f"{PT}::test_hf_resume_schedule_rules"]),
     dict(name="checkpoint-error-not-a-user-error", file="megatron_patch/cli/worker.py",
          original="    return UsageError, ConfigError, DataError, FinetuneDataError, CheckpointError\n",
          replacement="    return UsageError, ConfigError, DataError, FinetuneDataError\n",
