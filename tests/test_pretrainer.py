@@ -640,6 +640,16 @@ def test_hf_resume_schedule_rules(corpora, hf_run, tmp_path):
     (engine / "checkpoint.json").write_text(json.dumps(dict(manifest, format="torch_dist", layout={})))
     assert not plan(_hf_config(model, corpora, "--lr", "2e-3"), str(tmp_path / "engine"), 5,
                     own_scheduler=False).from_checkpoint
+    # a checkpoint of a run on its own scheduler stores no settings: nothing to compare, nothing to keep
+    own = tmp_path / "own" / "iter_0000005"
+    own.mkdir(parents=True)
+    (own / "checkpoint.json").write_text(json.dumps(dict(manifest, scheduler=None)))
+    assert not plan(_hf_config(model, corpora, "--lr", "2e-3"), str(tmp_path / "own"), 5,
+                    own_scheduler=False).from_checkpoint
+    with pytest.raises(ConfigError, match=r"^--use-checkpoint-opt-param-scheduler: --load .*own \(iteration 5\) "
+                                          r"stores no learning-rate schedule .*; drop the flag$"):
+        plan(_hf_config(model, corpora, "--use-checkpoint-opt-param-scheduler"), str(tmp_path / "own"), 5,
+             own_scheduler=False)
     blackbox = ["--task", "pretraining", "--pretrained-model-name-or-path", model, "--micro-batch-size", "4",
                 "--global-batch-size", "8", "--seq-length", "64", "--tokenizer-type", "BertWordPieceLowerCase",
                 "--vocab-file", corpora["wp_vocab"], "--data-path", corpora["bert"], "--split", "980,20", "--lr",
