@@ -4,6 +4,7 @@ black-box pretraining of BERT and GPT models, and the helpers the samples call."
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -417,7 +418,7 @@ def _ckpt_flags(model, corpora, *extra):
     samples), a checkpoint every 5."""
     return ["--user-script", BERT_SAMPLE, "--pretrained-model-name-or-path", model, "--micro-batch-size", "4",
             "--global-batch-size", "8", "--seq-length", "64", "--tokenizer-type", "BertWordPieceLowerCase",
-            "--max-position-embeddings", "64", "--train-iters", "10", "--data-path", corpora["bert"], "--vocab-file",
+            "--train-iters", "10", "--data-path", corpora["bert"], "--vocab-file",
             corpora["wp_vocab"], "--split", "980,20", "--lr", "1e-3", "--lr-decay-style", "linear", "--weight-decay",
             "1e-2", "--clip-grad", "1.0", "--lr-warmup-iters", "2", "--log-interval", "1", "--eval-interval", "2",
             "--eval-iters", "2", "--save-interval", "5", "--seed", "5", *extra]
@@ -428,9 +429,11 @@ def _validation(lines):
 
 
 def _same(a, b, tol):
+    """The same iterations, losses and gradient norms within `tol`, and the same learning rates."""
     assert [x["iteration"] for x in a] == [x["iteration"] for x in b], (a, b)
     for x, y in zip(a, b):
         assert abs(x["loss"] - y["loss"]) <= tol and abs(x["grad_norm"] - y["grad_norm"]) <= tol, (x, y)
+        assert x["lr"] == pytest.approx(y["lr"], rel=1e-12, abs=0), (x, y)
 
 
 @pytest.fixture(scope="module")
@@ -533,6 +536,226 @@ def test_hf_checkpoint_selection_and_refusals_in_words(hf_run, tmp_path):
     scaler = Precision(torch.float16, "cpu")
     torch.save(scaler.state_dict(), str(tmp_path / "scaler.pt"))
     assert torch.load(str(tmp_path / "scaler.pt"), weights_only=True) == scaler.state_dict()
+
+
+# ---- the Hugging Face PreTrainer's resume semantics (Megatron-LM's rule: templates/resume_hf.py) -------------------
+# hf_run's schedule: --lr 1e-3 to --min-lr 0, linear, --lr-warmup-iters 2, decay over its --train-iters 10 (global
+# batch 8), --weight-decay 0.01; checkpoints at 5 and 10.
+
+def _without(flags, name):
+    """`flags` without the option `name` and its value."""
+    i = flags.index(name)
+    return flags[:i] + flags[i + 2:]
+
+
+def _hf_config(model, corpora, *argv, drop=()):
+    """The engine Config PreTrainer.train() hands the Hugging Face loop, for `_ckpt_flags` changed by `argv`."""
+    from megatron_patch.cli.arguments import parse_args
+    from megatron_patch.cli.rules import check
+    from megatron_patch.templates.pretrain_megatron import engine_config
+
+    flags = _ckpt_flags(model, corpora)
+    for name in drop:
+        flags = _without(flags, name)
+    return engine_config(check(parse_args([*flags, *argv]), 1), accelerations=False)
+
+
+HF_SCHEDULE_CHANGES = {  # flags -> what the refusal says (the checkpoint's value, this run's, the flag)
+    "train_iters": (["--train-iters", "12"],
+                    "lr decay over 10 iterations in the checkpoint, 12 here: --train-iters 12 (--lr-decay-iters "
+                    "defaults to it)"),
+    "lr": (["--lr", "2e-3"], "--lr 0.001 in the checkpoint, 0.002 here"),
+    "min_lr": (["--min-lr", "1e-5"], "--min-lr 0 in the checkpoint, 1e-05 here"),
+    "decay_iters": (["--lr-decay-iters", "20"], "lr decay over 10 iterations in the checkpoint, 20 here: "
+                                                "--lr-decay-iters 20"),
+    "decay_style": (["--lr-decay-style", "cosine"], "--lr-decay-style linear in the checkpoint, cosine here"),
+    "warmup_iters": (["--lr-warmup-iters", "3"], "warmup 2 iterations in the checkpoint, 3 here: --lr-warmup-iters 3"),
+    # the Hugging Face PreTrainer takes the fraction of --train-iters (templates/schedule.py)
+    "warmup_fraction": (["--lr-warmup-fraction", "0.5"],
+                        "warmup 2 iterations in the checkpoint, 5 here: --lr-warmup-fraction 0.5 of --train-iters"),
+    "weight_decay": (["--weight-decay", "0.1"], "--weight-decay 0.01 in the checkpoint, 0.1 here"),
+    "past_decay": (["--train-iters", "12", "--lr-decay-iters", "10"],
+                   "--train-iters 12 runs past the end of the checkpoint's lr decay (iteration 10, where its run of "
+                   "--train-iters 10 ended): iterations 11-12 would train at --min-lr 0"),
+}
+
+
+@pytest.mark.parametrize("change", list(HF_SCHEDULE_CHANGES))
+def test_hf_resume_refuses_a_changed_schedule(corpora, hf_run, change):
+    """(In process, milliseconds.) Each schedule flag that differs from the checkpoint's settings is refused in one
+    line naming both values and the flag, with the engine's wording; either scheduler flag accepts it and says which
+    schedule is continued."""
+    from megatron_patch.config import ConfigError
+    from megatron_patch.templates.resume_hf import plan
+
+    flags, says = HF_SCHEDULE_CHANGES[change]
+    drop = ("--lr-warmup-iters",) if change == "warmup_fraction" else ()
+    ck = hf_run["save"]
+    longer = " and --lr-decay-iters 12" if change == "past_decay" else ""
+    with pytest.raises(ConfigError) as e:
+        plan(_hf_config(hf_run["model"], corpora, *flags, drop=drop), ck, 5, own_scheduler=False)
+    assert str(e.value) == (
+        f"--load {ck} (iteration 5) continues a learning-rate schedule that this run's flags change: {says}. Pass "
+        f"--override-opt-param-scheduler{longer} to continue from iteration 5 with this run's schedule, or "
+        f"--use-checkpoint-opt-param-scheduler to keep the checkpoint's")
+    override = plan(_hf_config(hf_run["model"], corpora, *flags, "--override-opt-param-scheduler", drop=drop), ck, 5,
+                    own_scheduler=False)
+    keep = plan(_hf_config(hf_run["model"], corpora, *flags, "--use-checkpoint-opt-param-scheduler", drop=drop), ck, 5,
+                own_scheduler=False)
+    assert not override.from_checkpoint and keep.from_checkpoint
+    # the checkpoint's schedule, rebuilt from its stored settings: hf_run's flags
+    assert keep.schedule == plan(_hf_config(hf_run["model"], corpora), None, None, own_scheduler=False).schedule
+    if change != "past_decay":  # (there the schedule is the same; the run goes on past its end)
+        assert override.settings != keep.settings  # the weight decay is in the settings, not in the lr's Schedule
+
+
+def test_hf_resume_schedule_rules(corpora, hf_run, tmp_path):
+    """(In process, < 1 s.) The same schedule is no change: another --global-batch-size with the same iterations
+    (the HF loop's LambdaLR counts optimizer steps, not samples) and a --train-iters inside a decay that goes on.
+    The scheduler flags are refused where they cannot act, an engine checkpoint is left to the loader's refusal,
+    and --task pretraining refuses a changed schedule before launch (the front end's validate())."""
+    from megatron_patch.cli.arguments import UsageError, parse_args
+    from megatron_patch.cli.rules import check
+    from megatron_patch.config import ConfigError
+    from megatron_patch.templates.resume_hf import plan
+
+    ck, model = hf_run["save"], hf_run["model"]
+    for argv in ([], ["--global-batch-size", "16"], ["--train-iters", "8", "--lr-decay-iters", "10"]):
+        assert not plan(_hf_config(model, corpora, *argv), ck, 5, own_scheduler=False).from_checkpoint
+    with pytest.raises(ConfigError, match="^--override-opt-param-scheduler takes this run's schedule, "
+                                          "--use-checkpoint-opt-param-scheduler the checkpoint's: pass only one$"):
+        plan(_hf_config(model, corpora, "--override-opt-param-scheduler", "--use-checkpoint-opt-param-scheduler"),
+             ck, 5, own_scheduler=False)
+    with pytest.raises(ConfigError, match="^--use-checkpoint-opt-param-scheduler: it applies when resuming a "
+                                          "checkpoint with --load; drop the flag$"):
+        plan(_hf_config(model, corpora, "--use-checkpoint-opt-param-scheduler"), None, None, own_scheduler=False)
+    with pytest.raises(ConfigError, match="^--override-opt-param-scheduler: the scheduler of "
+                                          r"model_optimizer_lr_scheduler_provider\(\) restores its own state; drop"):
+        plan(_hf_config(model, corpora, "--override-opt-param-scheduler"), ck, 5, own_scheduler=True)
+    assert plan(_hf_config(model, corpora, "--lr", "2e-3"), ck, 5, own_scheduler=True).schedule is None
+    # an engine checkpoint is not compared as one of ours: loading it refuses it, naming what it is
+    engine = tmp_path / "engine" / "iter_0000005"
+    engine.mkdir(parents=True)
+    manifest = json.loads(open(os.path.join(ck, "iter_0000005", "checkpoint.json")).read())
+    (engine / "checkpoint.json").write_text(json.dumps(dict(manifest, format="torch_dist", layout={})))
+    assert not plan(_hf_config(model, corpora, "--lr", "2e-3"), str(tmp_path / "engine"), 5,
+                    own_scheduler=False).from_checkpoint
+    # a checkpoint of a run on its own scheduler stores no settings: nothing to compare, nothing to keep
+    own = tmp_path / "own" / "iter_0000005"
+    own.mkdir(parents=True)
+    (own / "checkpoint.json").write_text(json.dumps(dict(manifest, scheduler=None)))
+    assert not plan(_hf_config(model, corpora, "--lr", "2e-3"), str(tmp_path / "own"), 5,
+                    own_scheduler=False).from_checkpoint
+    with pytest.raises(ConfigError, match=r"^--use-checkpoint-opt-param-scheduler: --load .*own \(iteration 5\) "
+                                          r"stores no learning-rate schedule .*; drop the flag$"):
+        plan(_hf_config(model, corpora, "--use-checkpoint-opt-param-scheduler"), str(tmp_path / "own"), 5,
+             own_scheduler=False)
+    blackbox = ["--task", "pretraining", "--pretrained-model-name-or-path", model, "--micro-batch-size", "4",
+                "--global-batch-size", "8", "--seq-length", "64", "--tokenizer-type", "BertWordPieceLowerCase",
+                "--vocab-file", corpora["wp_vocab"], "--data-path", corpora["bert"], "--split", "980,20", "--lr",
+                "1e-3", "--lr-warmup-iters", "2", "--load", ck, "--save", ck]
+    with pytest.raises(UsageError, match=f"^--load {re.escape(ck)} \\(iteration 10\\) continues a learning-rate "
+                                         "schedule that this run's flags change: lr decay over 10 iterations in the "
+                                         "checkpoint, 12 here: --train-iters 12"):
+        check(parse_args([*blackbox, "--train-iters", "12"]), 1)
+    check(parse_args([*blackbox, "--train-iters", "12", "--override-opt-param-scheduler"]), 1)
+
+
+def _lr(step, lr, min_lr, warmup, decay, style):
+    """The Hugging Face PreTrainer's schedule written out: the rate of optimizer step `step` (from 0)."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / (decay - warmup))
+    shape = 0.5 * (1 + math.cos(math.pi * progress)) if style == "cosine" else 1 - progress
+    return min_lr + (lr - min_lr) * shape
+
+
+def _resume_at_5(hf_run, tmp_path):
+    ck = str(tmp_path / "ck")
+    shutil.copytree(hf_run["save"], ck)
+    with open(os.path.join(ck, "latest_checkpointed_iteration.txt"), "w") as f:
+        f.write("5")
+    return ck
+
+
+def test_hf_override_continues_with_the_new_schedule(corpora, hf_run, tmp_path):
+    """(~15 s: 7 iterations, one worker.) --override-opt-param-scheduler from iteration 5 with a longer run and
+    every schedule flag changed: iterations 6-12 use the new schedule's rates at those steps (the formula written
+    out here), the first one included (it ran at the saved schedule's rate); iteration 6 still starts from the
+    checkpoint (its loss is the uninterrupted run's); the next checkpoint stores the new settings and weight decay."""
+    ck, out = _resume_at_5(hf_run, tmp_path), str(tmp_path / "out")
+    metrics = str(tmp_path / "m.jsonl")
+    new = dict(lr=2e-3, min_lr=1e-4, warmup=3, decay=12, style="cosine")
+    proc = rapidformer(*_ckpt_flags(hf_run["model"], corpora, "--load", ck, "--save", out, "--metrics-file", metrics,
+                                    "--train-iters", "12", "--lr", "2e-3", "--min-lr", "1e-4", "--lr-warmup-iters",
+                                    "3", "--lr-decay-style", "cosine", "--weight-decay", "0.1",
+                                    "--override-opt-param-scheduler"))
+    assert proc.returncode == 0, explain(proc)
+    assert "at iteration 5" in proc.stdout and "lr schedule: this run's flags (--override-opt-param-scheduler)" in \
+        proc.stdout
+    resumed = _train(_lines(metrics))
+    assert [x["iteration"] for x in resumed] == list(range(6, 13))
+    for x in resumed:
+        assert x["lr"] == pytest.approx(_lr(x["iteration"] - 1, **new), rel=1e-12), x
+    assert abs(resumed[0]["loss"] - _train(hf_run["lines"])[5]["loss"]) < 1e-6
+    from megatron_patch.training.checkpoint.directory import read_manifest
+
+    saved = read_manifest(os.path.join(out, "iter_0000012"))
+    assert saved["scheduler"]["max_lr"] == 2e-3 and saved["scheduler"]["lr_decay_steps"] == 12 * 8
+    assert saved["scheduler"]["start_wd"] == 0.1
+    state = torch.load(os.path.join(out, "iter_0000012", "train_state.pt"), weights_only=True)
+    assert state["weight_decay"] == [0.1, 0.0]  # this run's, on the groups that decay (not biases and norms)
+
+
+def test_hf_use_checkpoint_continues_like_the_uninterrupted_run(corpora, hf_run, tmp_path):
+    """(~12 s: 5 iterations, one worker.) --use-checkpoint-opt-param-scheduler with other --lr, --min-lr, style,
+    warmup and --weight-decay: iterations 6-10 are the uninterrupted run's (rates, losses, gradient norms,
+    validation losses), and the next checkpoint stores the checkpoint's settings and weight decay."""
+    ck, out = _resume_at_5(hf_run, tmp_path), str(tmp_path / "out")
+    metrics = str(tmp_path / "m.jsonl")
+    proc = rapidformer(*_ckpt_flags(hf_run["model"], corpora, "--load", ck, "--save", out, "--metrics-file", metrics,
+                                    "--lr", "5e-4", "--min-lr", "1e-5", "--lr-warmup-iters", "1", "--lr-decay-style",
+                                    "cosine", "--weight-decay", "0.1", "--use-checkpoint-opt-param-scheduler"))
+    assert proc.returncode == 0, explain(proc)
+    assert ("lr schedule: the checkpoint's (--use-checkpoint-opt-param-scheduler: --lr 0.001, --min-lr 0, warmup 2, "
+            "linear decay over 10 iterations, --weight-decay 0.01)") in proc.stdout, explain(proc)
+    resumed = _lines(metrics)
+    _same(_train(hf_run["lines"])[5:], _train(resumed), 1e-6)
+    whole_val, resumed_val = _validation(hf_run["lines"])[2:], _validation(resumed)
+    assert [i for i, _ in resumed_val] == [i for i, _ in whole_val] == [6, 8, 10]
+    assert all(abs(a - b) <= 1e-6 for (_, a), (_, b) in zip(whole_val, resumed_val)), (whole_val, resumed_val)
+    from megatron_patch.training.checkpoint.directory import read_manifest
+
+    stored = read_manifest(os.path.join(hf_run["save"], "iter_0000010"))["scheduler"]
+    assert read_manifest(os.path.join(out, "iter_0000010"))["scheduler"] == stored
+    state = torch.load(os.path.join(out, "iter_0000010", "train_state.pt"), weights_only=True)
+    assert state["weight_decay"] == [0.01, 0.0]
+
+
+def test_hf_pretrainer_refusals_are_one_line_exit_2(corpora, hf_run, tmp_path):
+    """(~25 s: one worker, then two.) Through `rapidformer`, no traceback: a changed schedule (one worker, the
+    worker in the launching process) and a --load without a checkpoint (CheckpointError, two workers under torchrun:
+    each worker reports it, the launcher prints it once)."""
+    ck = hf_run["save"]
+    proc = rapidformer(*_ckpt_flags(hf_run["model"], corpora, "--load", ck, "--save", str(tmp_path / "out"),
+                                    "--train-iters", "12"))
+    assert proc.returncode == 2, explain(proc)
+    assert proc.stderr.startswith(f"rapidformer: error: --load {ck} (iteration 10) continues a learning-rate "
+                                  "schedule that this run's flags change: lr decay over 10 iterations in the "
+                                  "checkpoint, 12 here")
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stdout + proc.stderr, explain(proc)
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    proc = rapidformer(*_ckpt_flags(hf_run["model"], corpora, "--load", empty, "--save", str(tmp_path / "out"),
+                                    "--nproc-per-node", "2"))
+    assert proc.returncode == 2, explain(proc)
+    # the last line, once (the workers' start-up log lines come before it)
+    lines = proc.stderr.splitlines()
+    assert lines[-1] == (f"rapidformer: error: --load {empty}: no checkpoint there (no latest_checkpointed_iteration"
+                         ".txt, no iter_XXXXXXX directory); give the --save directory of an earlier run to resume, "
+                         "or drop --load"), explain(proc)
+    assert sum("no checkpoint there" in line for line in (proc.stdout + proc.stderr).splitlines()) == 1
+    assert "Traceback" not in proc.stdout + proc.stderr and "ChildFailedError" not in proc.stdout + proc.stderr
 
 
 def test_hf_checkpoint_loads_an_optimizer_with_an_empty_param_group(tmp_path):

@@ -311,7 +311,8 @@ def test_megatron_pretrainer_takes_the_compile_mode():
 @pytest.mark.parametrize("flag", ["override_opt_param_scheduler", "use_checkpoint_opt_param_scheduler"])
 def test_megatron_pretrainer_takes_the_resume_schedule_choice(flag):
     """The engine refuses a resume whose schedule flags changed unless one of these two flags chooses (config/
-    resume.py); a Megatron PreTrainer run must be able to pass them, and only it (the others have no such check)."""
+    resume.py); a Megatron PreTrainer run must be able to pass them, and so must the Hugging Face PreTrainer's
+    (white box and --task pretraining: the same rule, templates/resume_hf.py); fine-tuning resumes nothing."""
     from megatron_patch.templates.pretrain_megatron import engine_config
 
     option = "--" + flag.replace("_", "-")
@@ -320,7 +321,7 @@ def test_megatron_pretrainer_takes_the_resume_schedule_choice(flag):
     assert getattr(engine_config(args), flag) and getattr(engine_config(args, accelerations=False), flag)
     from megatron_patch.cli.flag_use import TABLE
 
-    assert TABLE[flag] == {"ft": "no", "finetuner": "no", "pt": "no", "hf": "no", "mg": "acts"}
+    assert TABLE[flag] == {"ft": "no", "finetuner": "no", "pt": "acts", "hf": "acts", "mg": "acts"}
 
 def test_a_script_model_must_hold_the_setting_flags():
     """A Finetuner/PreTrainer script builds its own model: --hidden-dropout that its config does not hold is refused

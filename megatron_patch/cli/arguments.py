@@ -145,10 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
                    "(fine-tuning evaluates the whole validation split)")
     g.add_argument("--save-interval", type=int, help="pretraining: write a checkpoint to --save every N iterations "
                    "(and at the end); --load DIR resumes from it")
-    _bool(g, "--override-opt-param-scheduler", help="Megatron-model pretraining, resuming with --load: continue "
-          "with this run's learning-rate schedule flags where they differ from the checkpoint's (refused otherwise)")
-    _bool(g, "--use-checkpoint-opt-param-scheduler", help="Megatron-model pretraining, resuming with --load: keep "
-          "the checkpoint's learning-rate schedule, whatever this run's schedule flags say")
+    _bool(g, "--override-opt-param-scheduler", help="pretraining, resuming with --load: continue from the "
+          "checkpoint's step with this run's learning-rate schedule flags where they differ from the checkpoint's "
+          "(--lr, --min-lr, --lr-decay-*, warmup, --weight-decay, --train-iters: refused otherwise)")
+    _bool(g, "--use-checkpoint-opt-param-scheduler", help="pretraining, resuming with --load: keep the "
+          "checkpoint's learning-rate schedule, whatever this run's schedule flags say")
     _bool(g, "--eval-at-start", help="also evaluate before training (reported as epoch 0)")
     g.add_argument("--metrics-file", help="append one JSON line per evaluation (default: SAVE/metrics.jsonl)")
     g.add_argument("--tensorboard-dir", help="TensorBoard logs (default: SAVE/tensorboard)")

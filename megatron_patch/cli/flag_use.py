@@ -98,8 +98,8 @@ log_interval                           acts       acts       acts       acts    
 eval_interval                          acts       acts       acts       acts       acts
 eval_iters                             no         no         acts       acts       acts
 save_interval                          no         no         acts       acts       acts
-override_opt_param_scheduler           no         no         no         no         acts
-use_checkpoint_opt_param_scheduler     no         no         no         no         acts
+override_opt_param_scheduler           no         no         acts       acts       acts
+use_checkpoint_opt_param_scheduler     no         no         acts       acts       acts
 eval_at_start                          acts       acts       no         no         no
 metrics_file                           acts       acts       acts       acts       acts
 tensorboard_dir                        acts       acts       acts       acts       acts
@@ -174,8 +174,11 @@ PURPOSE: Dict[str, str] = {
     "epochs": "passes over a fine-tuning training set; pretraining runs --train-iters iterations",
     "eval_iters": "validation batches per pretraining evaluation; fine-tuning evaluates the whole validation "
                   "split (--eval-interval N also evaluates every N steps)",
-    "override_opt_param_scheduler": "resuming a Megatron model's run (the engine) with a changed learning-rate schedule",
-    "use_checkpoint_opt_param_scheduler": "resuming a Megatron model's run (the engine) on the checkpoint's learning-rate schedule",
+    "override_opt_param_scheduler": "resuming a pretraining checkpoint (--load) with a changed learning-rate "
+                                    "schedule; fine-tuning resumes nothing, its schedule starts with the run",
+    "use_checkpoint_opt_param_scheduler": "resuming a pretraining checkpoint (--load) on the checkpoint's "
+                                          "learning-rate schedule; fine-tuning resumes nothing, its schedule starts "
+                                          "with the run",
     "save_interval": "pretraining checkpoints every N iterations, which --load resumes; fine-tuning saves the "
                      "trained model to --save once, at the end (save_pretrained)",
     "eval_at_start": "fine-tuning's evaluation of the untrained model; pretraining validates every --eval-interval "

@@ -18,12 +18,14 @@ from .status import report_usage_error
 
 
 def _user_errors() -> tuple:
-    """The exceptions that mean a mistake in the flags or the data (their message names the fix), not a bug."""
+    """The exceptions that mean a mistake in the flags or the data (their message names the fix), not a bug: a
+    checkpoint that --load cannot use (absent, damaged, tampered with) included."""
     from megatron_patch.config import ConfigError
     from megatron_patch.data.checks import DataError
     from megatron_patch.data.finetune_data import FinetuneDataError
+    from megatron_patch.training.checkpoint.directory import CheckpointError
 
-    return UsageError, ConfigError, DataError, FinetuneDataError
+    return UsageError, ConfigError, DataError, FinetuneDataError, CheckpointError
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -11,6 +11,10 @@
   the directory it resumes (--load is the same directory). Same model or not, so a second run never re-points
   the tracker of the first.
 
+The Hugging Face PreTrainer (templates/pretrain_hf.py) keeps the same rule with the same stored settings and
+wording (`HF`: its LambdaLR counts optimizer steps, not samples, and its --lr-warmup-fraction is a share of
+--train-iters).
+
 Everything here reads the flags and the checkpoint's checkpoint.json only (no torch), so `validate()` runs it
 before any process group starts; the Checkpointer applies the same `restores` rule when it loads.
 """
@@ -63,10 +67,36 @@ def restores(manifest: Dict, cfg: Config) -> Restore:
                    optimizer=optimizer_fits and not model_only and not cfg.no_load_optim)
 
 
-def scheduler_settings(cfg: Config) -> Dict:
-    """megatron-core OptimizerParamScheduler's settings for this run, counted in samples as it stores them."""
+@dataclass(frozen=True)
+class Counting:
+    """How a run's learning-rate schedule counts. megatron-core's OptimizerParamScheduler (the engine) counts
+    samples and takes --lr-warmup-fraction of the decay; the Hugging Face PreTrainer's LambdaLR counts optimizer
+    steps (the same iterations of another --global-batch-size are the same schedule) and takes the fraction of
+    --train-iters, as templates/schedule.py's build_scheduler does."""
+    per_sample: bool
+    warmup_of: str  # what --lr-warmup-fraction is a share of: "the decay" or "--train-iters"
+
+    def warmup_iters(self, cfg: Config) -> int:
+        if self.warmup_of == "the decay" or cfg.lr_warmup_fraction is None:
+            return cfg.warmup_iters
+        return int(round(cfg.lr_warmup_fraction * cfg.train_iters))
+
+
+ENGINE = Counting(per_sample=True, warmup_of="the decay")
+HF = Counting(per_sample=False, warmup_of="--train-iters")
+HF_FORMAT = "hf_dcp"  # checkpoint.json's "format" of a Hugging Face PreTrainer (templates/checkpoint_hf.FORMAT)
+
+
+def counting(manifest: Dict) -> Counting:
+    """How the schedule stored in `manifest` counts (from the checkpoint's format)."""
+    return HF if manifest.get("format") == HF_FORMAT else ENGINE
+
+
+def scheduler_settings(cfg: Config, count: Counting = ENGINE) -> Dict:
+    """megatron-core OptimizerParamScheduler's settings for this run, counted in samples as it stores them (the
+    Hugging Face PreTrainer stores the same keys for its own schedule, `count` HF)."""
     gbs = cfg.global_batch_size
-    return dict(max_lr=float(cfg.lr), min_lr=float(cfg.min_lr), lr_warmup_steps=cfg.warmup_iters * gbs,
+    return dict(max_lr=float(cfg.lr), min_lr=float(cfg.min_lr), lr_warmup_steps=count.warmup_iters(cfg) * gbs,
                 lr_decay_steps=cfg.decay_iters * gbs, lr_decay_style=cfg.lr_decay_style,
                 start_wd=float(cfg.weight_decay), end_wd=float(cfg.weight_decay), wd_incr_steps=cfg.train_iters * gbs,
                 wd_incr_style="constant")
@@ -79,7 +109,8 @@ def _iters(samples: int, gbs: int) -> str:
 def schedule_conflicts(cfg: Config, manifest: Dict) -> List[str]:
     """How this run's schedule flags differ from the schedule stored in `manifest` (empty: they agree)."""
     stored, old_cfg = manifest["scheduler"], manifest.get("config", {})
-    new = scheduler_settings(cfg)
+    count = counting(manifest)
+    new = scheduler_settings(cfg, count)
     gbs = cfg.global_batch_size
     old_gbs = old_cfg.get("global_batch_size") or gbs
     out = []
@@ -92,10 +123,12 @@ def schedule_conflicts(cfg: Config, manifest: Dict) -> List[str]:
             ("lr_decay_steps", "lr decay over", cfg.decay_iters,
              f"--lr-decay-iters {cfg.lr_decay_iters}" if cfg.lr_decay_iters
              else f"--train-iters {cfg.train_iters} (--lr-decay-iters defaults to it)"),
-            ("lr_warmup_steps", "warmup", cfg.warmup_iters,
-             f"--lr-warmup-fraction {cfg.lr_warmup_fraction:g} of the decay" if cfg.lr_warmup_fraction is not None
-             else f"--lr-warmup-iters {cfg.lr_warmup_iters}")):
-        if stored[key] == new[key]:
+            ("lr_warmup_steps", "warmup", count.warmup_iters(cfg),
+             f"--lr-warmup-fraction {cfg.lr_warmup_fraction:g} of {count.warmup_of}"
+             if cfg.lr_warmup_fraction is not None else f"--lr-warmup-iters {cfg.lr_warmup_iters}")):
+        # samples (megatron-core), or optimizer steps: the stored samples over the checkpoint's global batch
+        same = stored[key] == new[key] if count.per_sample else stored[key] * gbs == new[key] * old_gbs
+        if same:
             continue
         there = _iters(stored[key], old_gbs)
         if old_gbs != gbs and there == str(here):  # same iterations, other batch: the schedule counts samples
@@ -124,8 +157,10 @@ def _past_decay(cfg: Config, manifest: Dict) -> bool:
 
 def check_schedule(cfg: Config, manifest: Dict, where: str) -> Optional[str]:
     """The refusal (one line) of resuming the checkpoint `where` with this run's schedule flags, or None."""
-    if not manifest.get("scheduler") or not restores(manifest, cfg).optimizer:
-        return None  # no schedule is restored (weights only, --no-load-optim, another ZeRO layout): nothing to compare
+    if not manifest.get("scheduler"):
+        return None  # no schedule stored (weights only; a Hugging Face PreTrainer run on its own scheduler)
+    if counting(manifest) is ENGINE and not restores(manifest, cfg).optimizer:
+        return None  # no schedule is restored (--no-load-optim, another ZeRO layout): nothing to compare
     if cfg.override_opt_param_scheduler or cfg.use_checkpoint_opt_param_scheduler:
         return None
     conflicts = schedule_conflicts(cfg, manifest)
@@ -183,16 +218,22 @@ def check_save(cfg: Config) -> Optional[str]:
             f"run with --load {save}, or choose a new --save directory (pretrain_scripts/run_gpt.sh: OUTPUT=DIR)")
 
 
-def check_resume(cfg: Config) -> None:
-    """validate()'s checks of --load / --save and the scheduler flags against the checkpoints on disk."""
+def check_scheduler_flags(cfg: Config, loads_schedule: bool, why: str) -> None:
+    """Refuse (ConfigError, one line) both scheduler flags at once, or either where no schedule is loaded (`why`
+    says why not)."""
     override, keep = cfg.override_opt_param_scheduler, cfg.use_checkpoint_opt_param_scheduler
     if override and keep:
         raise ConfigError("--override-opt-param-scheduler takes this run's schedule, "
                           "--use-checkpoint-opt-param-scheduler the checkpoint's: pass only one")
-    if (override or keep) and (not cfg.load or cfg.no_load_optim):
+    if (override or keep) and not loads_schedule:
         flag = "--override-opt-param-scheduler" if override else "--use-checkpoint-opt-param-scheduler"
-        why = "--no-load-optim loads no schedule" if cfg.load else "it applies when resuming with --load"
         raise ConfigError(f"{flag}: {why}; drop the flag")
+
+
+def check_resume(cfg: Config) -> None:
+    """validate()'s checks of --load / --save and the scheduler flags against the checkpoints on disk."""
+    check_scheduler_flags(cfg, bool(cfg.load) and not cfg.no_load_optim,
+                          "--no-load-optim loads no schedule" if cfg.load else "it applies when resuming with --load")
     refusal = check_save(cfg)
     if refusal:
         raise ConfigError(refusal)

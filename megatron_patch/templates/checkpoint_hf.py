@@ -4,10 +4,13 @@
     {save}/latest_checkpointed_iteration.txt   the tracker: the newest published iteration
     {save}/iter_0000100/dcp/                   model and optimizer, torch.distributed.checkpoint, keyed by
                                                parameter name (FSDP2 shards and ZeRO-1 shards included)
-    {save}/iter_0000100/train_state.pt         lr schedule and loss scaler (the same on every worker)
+    {save}/iter_0000100/train_state.pt         lr scheduler state, the param groups' weight decay and the
+                                               loss scaler (the same on every worker)
     {save}/iter_0000100/rank_00000.pt          each worker's random streams (training/checkpoint/rng.py)
     {save}/iter_0000100/checkpoint.json        written last: iteration, consumed training and validation
-                                               samples, worker count, the size of every file
+                                               samples, worker count, the settings of the lr schedule (as the
+                                               engine stores them: config/resume.py compares them on resume),
+                                               the size of every file
 
 Written into `iter_N.tmp/` and renamed once the manifest is in, then the tracker moves: a crash leaves the
 previous checkpoint or the new one complete. Loading takes the newest complete checkpoint (a missing or
@@ -31,10 +34,11 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from megatron_patch.config.resume import HF_FORMAT
 from megatron_patch.training.checkpoint import directory
 from megatron_patch.training.checkpoint.directory import CheckpointError, checkpoint_dir
 
-FORMAT = "hf_dcp"
+FORMAT = HF_FORMAT
 LEGACY_TRACKER = "latest_iteration.txt"  # the tracker before this layout: rank files pickled numpy RNG state
 TRAIN_STATE = "train_state.pt"
 
@@ -94,8 +98,10 @@ def _state_dicts(model, optimizer):
 
 
 def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, precision, consumed_samples: int,
-                    consumed_valid_samples: int) -> str:
-    """Write `root/iter_N/` (collective: every worker calls it) and point the tracker at it; returns its path."""
+                    consumed_valid_samples: int, schedule: Optional[Dict] = None) -> str:
+    """Write `root/iter_N/` (collective: every worker calls it) and point the tracker at it; returns its path.
+    `schedule`: the manifest's entries for the schedule in effect ("scheduler" settings, "config" train_iters and
+    global_batch_size; none for a scheduler of the user's own)."""
     import torch.distributed.checkpoint as dcp
 
     from megatron_patch.training.checkpoint import rng
@@ -108,12 +114,15 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, prec
     _barrier()
     manifest = {"iteration": iteration, "consumed_samples": consumed_samples,
                 "consumed_valid_samples": consumed_valid_samples, "world_size": world, "format": FORMAT,
-                "versions": {"torch": torch.__version__}}
+                "versions": {"torch": torch.__version__}, **(schedule or {})}
     model_sd, optim_sd = _state_dicts(model, optimizer)
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"))
     torch.save(rng.capture(), _rank_file(tmp, rank))
     if rank == 0:
-        torch.save({"scheduler": scheduler.state_dict(), "scaler": precision.state_dict()},
+        # the weight decay of each param group as this worker's optimizer applies it (a ZeRO-1 wrapper's groups,
+        # not its local shard's): what --use-checkpoint-opt-param-scheduler restores
+        torch.save({"scheduler": scheduler.state_dict(), "scaler": precision.state_dict(),
+                    "weight_decay": [g.get("weight_decay") for g in optimizer.param_groups]},
                    os.path.join(tmp, TRAIN_STATE))
     _barrier()  # every worker's files are written: the manifest's inventory covers them
     if rank == 0:
@@ -150,7 +159,9 @@ def _refusal(path: str, e: BaseException) -> str:
 def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, precision) -> Dict:
     """Restore checkpoint `iteration` under `root` (chosen by `find_checkpoint`) into the accelerated model,
     optimizer, scheduler and loss scaler, and this worker's random streams when the worker count is the
-    checkpoint's. Returns its manifest, with `notes` (phrases for the log line)."""
+    checkpoint's. Returns its manifest, with `notes` (phrases for the log line) and `weight_decay` (the param
+    groups' as saved; None from a checkpoint that has none). The lr is set from the scheduler's saved state: a
+    schedule of the flags is then re-applied at the restored step (`resume_hf.continue_schedule`)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
@@ -197,4 +208,4 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, prec
                      f"torch.distributed.checkpoint, data position carried over (it counts samples); random "
                      f"streams start from --seed (a worker's stream does not carry over to another worker count, so "
                      f"dropout draws differ from the uninterrupted run)")
-    return dict(manifest, notes=notes)
+    return dict(manifest, notes=notes, weight_decay=train_state.get("weight_decay"))

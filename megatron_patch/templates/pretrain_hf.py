@@ -1,7 +1,7 @@
 """The PreTrainer with a Hugging Face (or any PyTorch) model: data parallel, the fine-tuning accelerations,
 --train-iters iterations of --global-batch-size samples (gradient accumulation from the batch sizes),
 evaluation every --eval-interval, checkpoints every --save-interval with exact resume from --load (the layout
-and its guarantees: `checkpoint_hf.py`).
+and its guarantees: `checkpoint_hf.py`; the learning-rate schedule a resume continues: `resume_hf.py`).
 
 Batches come in Megatron's pretraining order (`PretrainingBatchSampler`: global batch k is samples
 [k*gbs, (k+1)*gbs), each worker its slice), so a resumed run reads exactly the samples the whole run would.
@@ -163,8 +163,9 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
     from megatron_patch.accelerations import accelerate
     from megatron_patch.training.data import build_iterator
 
+    from . import resume_hf
     from .finetuner import no_sync
-    from .schedule import build_scheduler
+    from .schedule import scheduler_for
 
     args, log = pretrainer.args, get_logger()
     check_not_parallel(cfg)
@@ -187,16 +188,26 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
         log.warning("the lr scheduler from model_optimizer_lr_scheduler_provider() drives the optimizer as it was "
                     "before the acceleration switches rebuilt it: using --lr-decay-style instead")
         scheduler = None
+    # the schedule: this run's flags, or the checkpoint's (refused here when they differ without a choice)
+    plan = resume_hf.plan(cfg, args.load, resume, own_scheduler=scheduler is not None)
     if scheduler is None:
-        scheduler = build_scheduler(args, optimizer, cfg.train_iters)
+        scheduler = scheduler_for(plan.schedule, optimizer)
     rank, world = _world()
     accum = cfg.num_microbatches
     start = consumed = consumed_valid = 0
     if resume is not None:
+        built = resume_hf.group_settings(optimizer)  # this run's peak lr and weight decay, before loading
         state = load_checkpoint(args.load, resume, model, optimizer, scheduler, precision)
         start, consumed, consumed_valid = state["iteration"], state["consumed_samples"], state["consumed_valid_samples"]
+        if plan.schedule is not None:
+            if plan.from_checkpoint:
+                peaks, decays = scheduler.base_lrs, state["weight_decay"] or [None] * len(built)
+            else:
+                peaks, decays = [p for p, _ in built], [d for _, d in built]
+            resume_hf.continue_schedule(scheduler, optimizer, peaks, decays)
+        notes = state["notes"] + ([plan.note] if plan.note else [])
         log.info(f"resumed from {args.load} at iteration {start} ({consumed} training and {consumed_valid} validation "
-                 "samples read)" + "".join(f"; {note}" for note in state["notes"]))
+                 "samples read)" + "".join(f"; {note}" for note in notes))
     log.info(f"training: {cfg.train_iters} iterations of {cfg.global_batch_size} samples ({cfg.micro_batch_size} per "
              f"worker x {world} worker(s) x {accum} accumulation): {cfg.train_iters * cfg.global_batch_size} of the "
              f"training dataset's {len(train_ds)} samples")
@@ -254,12 +265,12 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
             tick = time.perf_counter()
         if args.save and args.save_interval and iteration % args.save_interval == 0:
             saved = save_checkpoint(args.save, iteration, model, optimizer, scheduler, precision, consumed,
-                                    consumed_valid)
+                                    consumed_valid, plan.manifest_entries(cfg))
             log.info(f"saved checkpoint {saved}")
             tick = time.perf_counter()
     if args.save and (not args.save_interval or cfg.train_iters % args.save_interval) and start < cfg.train_iters:
         saved = save_checkpoint(args.save, cfg.train_iters, model, optimizer, scheduler, precision, consumed,
-                                consumed_valid)
+                                consumed_valid, plan.manifest_entries(cfg))
         log.info(f"saved checkpoint {saved}")
     reporter.close()
     pretrainer.model = model
