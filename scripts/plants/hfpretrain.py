@@ -22,7 +22,10 @@ PLANTS = [
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"))
     torch.save(rng.capture(), _rank_file(tmp, rank))
     if rank == 0:
-        torch.save({"scheduler": scheduler.state_dict(), "scaler": precision.state_dict()},
+        # the weight decay of each param group as this worker's optimizer applies it (a ZeRO-1 wrapper's groups,
+        # not its local shard's): what --use-checkpoint-opt-param-scheduler restores
+        torch.save({"scheduler": scheduler.state_dict(), "scaler": precision.state_dict(),
+                    "weight_decay": [g.get("weight_decay") for g in optimizer.param_groups]},
                    os.path.join(tmp, TRAIN_STATE))
     _barrier()  # every worker's files are written: the manifest's inventory covers them
     if rank == 0:
@@ -35,7 +38,8 @@ PLANTS = [
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"))
     torch.save(rng.capture(), _rank_file(tmp, rank))
     if rank == 0:
-        torch.save({"scheduler": scheduler.state_dict(), "scaler": precision.state_dict()},
+        torch.save({"scheduler": scheduler.state_dict(), "scaler": precision.state_dict(),
+                    "weight_decay": [g.get("weight_decay") for g in optimizer.param_groups]},
                    os.path.join(tmp, TRAIN_STATE))
     _barrier()
     if rank == 0:
