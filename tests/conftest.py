@@ -73,6 +73,46 @@ def minilm_dir(minilm_vocab):
     return os.path.dirname(minilm_vocab)
 
 
+@pytest.fixture(scope="session")
+def tiny_reference(tmp_path_factory):
+    """(lines, --save root) of engine_utils.TINY on one process (5 iterations, checkpoint at 5), run once per
+    session: the single-process reference of test_engine_parallel's layouts and of test_engine_switches."""
+    from engine_utils import run_engine
+
+    d = tmp_path_factory.mktemp("tiny_reference")
+    lines, _ = run_engine(d, 1, "--save", str(d / "ckpt"))
+    return lines, str(d / "ckpt")
+
+
+@pytest.fixture(scope="session")
+def gpt_demo(tmp_path_factory):
+    """`pretrain_scripts/run_gpt.sh --train-iters 60` as a new user runs it (LOG_INTERVAL=10, EVAL_INTERVAL=30):
+    it builds the offline demo data in DEMO_DIR, trains the tiny GPT and saves at 60. Run once per session:
+    test_run_gpt_script checks the run and its log, test_conversion_training exports its checkpoint, and the
+    other launcher tests reuse its demo data. Its stdout is read line by line as it arrives (`arrivals`: (monotonic
+    time, line)), its stderr goes to a file."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    d = tmp_path_factory.mktemp("gpt_demo")
+    env = dict(os.environ, LOG_INTERVAL="10", EVAL_INTERVAL="30", OUTPUT=str(d / "out"), DEMO_DIR=str(d / "demo"),
+               PYTHONWARNINGS="ignore")
+    for name in ("TRAIN_ITERS", "WARMUP", "SAVE_INTERVAL", "PYTHONUNBUFFERED", "GBS", "PRECISION", "DATA_PATH", "GPUS",
+                 "TP", "PP", "HF_MODEL", "MODEL_FAMILY", "MODEL_SIZE"):
+        env.pop(name, None)
+    with open(d / "stderr.txt", "w") as err:
+        proc = subprocess.Popen(["bash", os.path.join(ROOT, "pretrain_scripts", "run_gpt.sh"), "--train-iters", "60"],
+                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
+        watchdog = threading.Timer(900, proc.kill)
+        watchdog.start()
+        arrivals = [(time.monotonic(), line) for line in iter(proc.stdout.readline, "")]
+        returncode = proc.wait()
+        watchdog.cancel()
+    return SimpleNamespace(dir=d, out=d / "out", demo=d / "demo", returncode=returncode, arrivals=arrivals,
+                           stdout="".join(line for _, line in arrivals), stderr=(d / "stderr.txt").read_text())
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked `gpu` run only where CUDA is available (`make test-gpu`); elsewhere they are skipped, saying why."""
     import torch

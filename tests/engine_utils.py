@@ -1,8 +1,8 @@
 """Run the pretraining entry point as users do (torchrun, several CPU processes with gloo) and read back
 its per-iteration metrics and the full (unsharded) weights of its checkpoint.
 
-Run as a script (by `run_counting_forwards`), this file trains like the entry point while counting the
-forward calls of every transformer layer and core attention."""
+Run as a script (by `run_counting_forwards_together`), this file trains like the entry point while counting the
+forward calls of every transformer layer and core attention, one run after another in one process."""
 from __future__ import annotations
 
 import collections
@@ -27,15 +27,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_engine(workdir, nproc: int, *args: str, base=TINY, check: bool = True, timeout: int = 900, script=None):
-    """Run pretrain_megatron_gpt.py (or `script`: [path, its own arguments...]) under torchrun;
-    returns (metrics lines, completed process)."""
+def run_engine(workdir, nproc: int, *args: str, base=TINY, check: bool = True, timeout: int = 900, script=None,
+               torchrun: bool = None):
+    """Run pretrain_megatron_gpt.py (or `script`: [path, its own arguments...]) under torchrun, or for one process
+    plainly (`python pretrain_megatron_gpt.py`, the entry point's documented single-process launch, which saves
+    torchrun's own start-up of about 2 s; torchrun=True keeps it); returns (metrics lines, completed process)."""
     os.makedirs(workdir, exist_ok=True)
     metrics = os.path.join(str(workdir), "metrics.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), *(script or [os.path.join(ROOT, "pretrain_megatron_gpt.py")]), *base, *args, "--metrics-file", metrics]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                str(free_port())] if nproc > 1 or torchrun else [sys.executable]
+    cmd = [*launcher, *(script or [os.path.join(ROOT, "pretrain_megatron_gpt.py")]), *base, *args, "--metrics-file", metrics]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(workdir), env=env, timeout=timeout)
     if check and proc.returncode != 0:
@@ -57,14 +60,38 @@ def run_counting_forwards(workdir, *args: str, base=TINY):
     """Train on one process as run_engine does, but with step metrics deferred as on a GPU; returns (metrics lines,
     {"layer N" / "core_attention N": forward calls in training mode}), N the global layer number from 1. Evaluation runs in eval mode and
     is not counted, so without recomputation each count is iterations x micro batches."""
-    counts = os.path.join(str(workdir), "forward_calls.json")
-    lines, _ = run_engine(workdir, 1, *args, base=base, script=[os.path.abspath(__file__), "--count-forwards-to", counts])
-    with open(counts) as f:
-        return lines, json.load(f)
+    return run_counting_forwards_together(workdir, {"run": list(args)}, base=base)["run"]
+
+
+def run_counting_forwards_together(workdir, runs: Dict[str, List[str]], base=TINY) -> Dict[str, tuple]:
+    """run_counting_forwards for each of `runs` (name -> flags), one after another in one process (each Trainer
+    built once the previous one's process groups are torn down, as every new one seeds all RNGs anew): a Python
+    start-up with torch and megatron-core (seconds) once; returns name -> (metrics lines, forward calls)."""
+    os.makedirs(workdir, exist_ok=True)
+    jobs = []
+    for name, args in runs.items():
+        metrics, counts = (os.path.join(str(workdir), f"{name}.{kind}") for kind in ("metrics.jsonl", "calls.json"))
+        for path in (metrics, counts):
+            if os.path.exists(path):
+                os.remove(path)
+        jobs.append({"argv": [*base, *args, "--metrics-file", metrics], "counts": counts})
+    with open(os.path.join(str(workdir), "jobs.json"), "w") as f:
+        json.dump(jobs, f)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--count-forwards",
+                           os.path.join(str(workdir), "jobs.json")], capture_output=True, text=True, cwd=str(workdir),
+                          env=env, timeout=900)
+    if proc.returncode != 0:
+        raise AssertionError(f"counting runs failed ({proc.returncode})\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
+    out = {}
+    for name, job in zip(runs, jobs):
+        with open(job["argv"][-1]) as f, open(job["counts"]) as g:
+            out[name] = [json.loads(x) for x in f], json.load(g)
+    return out
 
 
 def _count_forwards_main(out: str, argv: List[str]) -> None:
-    """The process behind run_counting_forwards: the engine's Trainer, with forward hooks that count calls, and
+    """One run of run_counting_forwards_together: the engine's Trainer, with forward hooks that count calls, and
     its step metrics deferred as on a GPU (a step's metrics read once the next step is queued).
 
     Hooks observe the real model; nothing in the training step is replaced."""
@@ -97,6 +124,17 @@ def _count_forwards_main(out: str, argv: List[str]) -> None:
                 json.dump(counts, f)
     finally:
         destroy()
+
+
+def rewind_validation(checkpoint) -> None:
+    """Set the validation position stored in `checkpoint` (an iter_N directory) back to the first sample, so a
+    --skip-train load evaluates the batches the saving run evaluated first (checkpoint.json is not in its own
+    inventory: the checkpoint stays complete)."""
+    manifest = os.path.join(str(checkpoint), "checkpoint.json")
+    with open(manifest) as f:
+        stored = json.load(f)
+    with open(manifest, "w") as f:
+        json.dump(dict(stored, consumed_valid_samples=0), f)
 
 
 def full_weights(checkpoint: str) -> Dict[str, torch.Tensor]:
@@ -135,6 +173,11 @@ def full_weights(checkpoint: str) -> Dict[str, torch.Tensor]:
     return flat
 
 
-if __name__ == "__main__":  # run_counting_forwards: engine_utils.py --count-forwards-to FILE <engine flags>
+if __name__ == "__main__":  # run_counting_forwards_together: engine_utils.py --count-forwards JOBS.json
     sys.path.insert(0, ROOT)  # the engine of this tree, as pretrain_megatron_gpt.py would import it
-    _count_forwards_main(sys.argv[2], sys.argv[3:])
+    launch_env = dict(os.environ)
+    with open(sys.argv[2]) as f:
+        for job in json.load(f):
+            os.environ.clear()  # the environment of a fresh process (initialize() records its rank and port there)
+            os.environ.update(launch_env)
+            _count_forwards_main(job["counts"], job["argv"])

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from megatron_patch import compat
-from megatron_patch.compat import adam_state, megatron_fsdp, registry, versions
+from megatron_patch.compat import adam_state, checkpoint_writer, megatron_fsdp, registry, versions
 from megatron_patch.compat import optimizer as compat_optimizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -88,6 +88,23 @@ def test_tested_versions_with_local_suffix_are_quiet(fresh_check):
 
 def _adamw(*params, **kw):
     return torch.optim.AdamW([torch.nn.Parameter(p) for p in params], lr=0.1, **kw)
+
+
+def test_torch_dist_write_results_stay_in_this_process(monkeypatch):
+    """The torch_dist writer's results queue is one of this process: no Manager server spawned at the first save.
+    (In process, milliseconds; every engine checkpoint test saves through it.)"""
+    import multiprocessing
+    import queue
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    before = set(multiprocessing.active_children())
+    checkpoint_writer.write_results_in_process()
+    made = filesystem_async.get_write_results_queue()
+    assert isinstance(made, queue.Queue) and set(multiprocessing.active_children()) == before
+    checkpoint_writer.write_results_in_process()
+    assert filesystem_async.get_write_results_queue() is made  # made once per process, kept
 
 
 def test_fill_empty_adam_state():

@@ -217,17 +217,18 @@ def checkpoint(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """family flags -> the state dict of the engine's unwrapped TP1 PP1 model at initialization, built in
-    another process (megatron-core's process groups and the CPU patches stay out of pytest's)."""
+    another process (megatron-core's process groups and the CPU patches stay out of pytest's): one process builds
+    the model of every family RUNS uses, one after another, on first use (each start-up costs seconds)."""
     root, done = tmp_path_factory.mktemp("reference"), {}
+    families = sorted({tuple(family) for _, family, _ in RUNS.values()})
 
     def get(family: tuple) -> dict:
-        if family not in done:
-            out = str(root / f"ref{len(done)}.pt")
-            flags = [*ONE_ITER, *family]
-            proc = subprocess.run([sys.executable, os.path.abspath(__file__), out, *flags], capture_output=True,
+        if not done:
+            jobs = [(str(root / f"ref{i}.pt"), list(f)) for i, f in enumerate(families)]
+            proc = subprocess.run([sys.executable, os.path.abspath(__file__), json.dumps(jobs)], capture_output=True,
                                   text=True, cwd=ROOT, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
             assert proc.returncode == 0, proc.stderr[-3000:]
-            done[family] = torch.load(out, weights_only=True)
+            done.update({f: torch.load(out, weights_only=True) for f, (out, _) in zip(families, jobs)})
         return done[family]
     return get
 
@@ -318,8 +319,8 @@ def test_reader_paths_manifest_and_errors(checkpoint, tmp_path):
 
 
 def _build_reference(out: str, flags) -> None:
-    """torch.save the state dict (no _extra_state) of the engine's unwrapped TP1 PP1 model, as initialized."""
-    sys.path.insert(0, ROOT)
+    """torch.save the state dict (no _extra_state) of the engine's unwrapped TP1 PP1 model, as initialized (its
+    process groups started and torn down again, so one process builds several)."""
     from megatron_patch.config import parse_args
     from megatron_patch.parallel import destroy, initialize
     from megatron_patch.training.checkpoint.torch_dist import unwrap
@@ -335,5 +336,7 @@ def _build_reference(out: str, flags) -> None:
         destroy()
 
 
-if __name__ == "__main__":  # the reference fixture: test_conversion_io.py OUT <engine flags>
-    _build_reference(sys.argv[1], sys.argv[2:])
+if __name__ == "__main__":  # the reference fixture: test_conversion_io.py '[[OUT, [engine flags...]], ...]'
+    sys.path.insert(0, ROOT)
+    for out, flags in json.loads(sys.argv[1]):
+        _build_reference(out, [*ONE_ITER, *flags])

@@ -5,8 +5,9 @@
    (4 processes); the first training loss equals the Hugging Face model's loss on the same global batch
    (fp32, 1e-5 relative). The batch is rebuilt here from the same parsed configuration, and the loss
    reduced as forward_step does (token mean over the loss mask per micro batch, mean over micro batches).
-2. A real round trip: `pretrain_scripts/run_gpt.sh` trains the demo GPT, `tools/convert_checkpoint.py
-   --direction mcore2hf --verify` exports it, and transformers' GPT2LMHeadModel, read from the export,
+2. A real round trip: `pretrain_scripts/run_gpt.sh` trains the demo GPT (conftest's gpt_demo, shared with
+   test_run_gpt_script), `tools/convert_checkpoint.py --direction mcore2hf --verify` exports it, and
+   transformers' GPT2LMHeadModel, read from the export,
    has the engine's validation loss on the validation samples of the engine's last evaluation (1e-4).
    The exported tokenizer loads with AutoTokenizer and encodes the corpus as the engine's GPT2BPETokenizer.
 """
@@ -178,27 +179,22 @@ def test_load_hf_first_loss_equals_hugging_face_at_tp2_pp2(family, tmp_path, gpt
 
 # ----------------------------------------------------------------------------------------- round trip
 
-TRAIN_ITERS, EVAL_INTERVAL = 20, 10
+TRAIN_ITERS, EVAL_INTERVAL = 60, 30  # conftest's gpt_demo run
 
 
 @pytest.fixture(scope="module")
-def demo_round_trip(tmp_path_factory):
-    """run_gpt.sh trains the demo GPT (its defaults: tiny GPT, seq 128, micro batch 8, --eval-iters 10,
-    fp32 on the CPU), then mcore2hf --verify exports the final checkpoint."""
+def demo_round_trip(tmp_path_factory, gpt_demo):
+    """mcore2hf --verify exports the final checkpoint of the session's run_gpt.sh demo run (conftest's gpt_demo:
+    its defaults, tiny GPT, seq 128, micro batch 8, --eval-iters 10, fp32 on the CPU, 60 iterations, an
+    evaluation every 30; shared with test_run_gpt_script)."""
+    assert gpt_demo.returncode == 0, gpt_demo.stderr[-4000:]
     d = tmp_path_factory.mktemp("round_trip")
-    env = dict(os.environ, TRAIN_ITERS=str(TRAIN_ITERS), EVAL_INTERVAL=str(EVAL_INTERVAL), LOG_INTERVAL="10",
-               OUTPUT=str(d / "out"), DEMO_DIR=str(d / "demo"), PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
-    for name in ("WARMUP", "SAVE_INTERVAL", "GBS", "PRECISION", "DATA_PATH", "GPUS", "TP", "PP", "HF_MODEL",
-                 "MODEL_FAMILY", "MODEL_SIZE"):
-        env.pop(name, None)
-    train = subprocess.run(["bash", os.path.join(ROOT, "pretrain_scripts", "run_gpt.sh")], capture_output=True,
-                           text=True, env=env, timeout=900)
-    assert train.returncode == 0, train.stderr[-4000:]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     export = subprocess.run([sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py"), "--direction",
-                             "mcore2hf", "--load-dir", str(d / "out" / "checkpoints"), "--save-dir", str(d / "hf"),
+                             "mcore2hf", "--load-dir", str(gpt_demo.out / "checkpoints"), "--save-dir", str(d / "hf"),
                              "--verify"], capture_output=True, text=True, env=env, timeout=600)
     assert export.returncode == 0, export.stdout[-3000:] + export.stderr[-3000:]
-    return d, train, export
+    return d, gpt_demo, export
 
 
 def test_round_trip_validation_loss_equals_hugging_face(demo_round_trip):
@@ -211,13 +207,13 @@ def test_round_trip_validation_loss_equals_hugging_face(demo_round_trip):
     assert "verify passed" in export.stdout, export.stdout[-3000:]
     hf_config = json.load(open(d / "hf" / "config.json"))
     assert hf_config["model_type"] == "gpt2" and hf_config["activation_function"] == "gelu"  # exact GELU
-    lines = [json.loads(x) for x in open(d / "out" / "metrics.jsonl")]
+    lines = [json.loads(x) for x in open(train.out / "metrics.jsonl")]
     valid = {x["iteration"]: x["valid_loss"] for x in lines if "valid_loss" in x}
     assert sorted(valid) == list(range(EVAL_INTERVAL, TRAIN_ITERS + 1, EVAL_INTERVAL))
     assert f"validation at iteration {TRAIN_ITERS}" in train.stdout
 
     # The run's own configuration, as stored with its checkpoint, rebuilds its validation set here.
-    reader = MegatronCheckpointReader(str(d / "out" / "checkpoints"))
+    reader = MegatronCheckpointReader(str(train.out / "checkpoints"))
     assert reader.manifest["iteration"] == TRAIN_ITERS
     stored = reader.config
     cfg = Config(**{f: stored[f] for f in Config.__dataclass_fields__ if f in stored})
@@ -240,13 +236,13 @@ def test_round_trip_tokenizer_loads_and_encodes_like_the_engine(demo_round_trip)
 
     from megatron_patch.data.tokenizers import build_tokenizer
 
-    d, _, _ = demo_round_trip
+    d, demo, _ = demo_round_trip
     exported = AutoTokenizer.from_pretrained(str(d / "hf"))
-    engine = build_tokenizer("GPT2BPETokenizer", vocab_file=str(d / "demo" / "gpt2-vocab.json"),
-                             merge_file=str(d / "demo" / "gpt2-merges.txt"))
+    engine = build_tokenizer("GPT2BPETokenizer", vocab_file=str(demo.demo / "gpt2-vocab.json"),
+                             merge_file=str(demo.demo / "gpt2-merges.txt"))
     assert exported.eos_token_id == engine.eod
     assert len(exported) == engine.vocab_size
-    with open(d / "demo" / "corpus.jsonl") as f:
+    with open(demo.demo / "corpus.jsonl") as f:
         texts = [json.loads(line)["text"] for _, line in zip(range(300), f)]
     texts.append("  Leading spaces, tabs\tand newlines\n\nstay: caf\u00e9 \u00fcber \u4e2d\u6587 \U0001F600!")
     for text in texts:

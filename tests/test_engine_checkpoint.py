@@ -14,7 +14,7 @@ import psutil
 import pytest
 import torch
 
-from engine_utils import ROOT, TINY, free_port, full_weights, run_engine, train_losses
+from engine_utils import ROOT, TINY, free_port, full_weights, rewind_validation, run_engine, train_losses
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]  # Megatron's default: resume must restore RNG
 TEN = ["--train-iters", "10", "--eval-interval", "5", *DROPOUT]
@@ -174,11 +174,10 @@ def test_incomplete_newest_checkpoint_falls_back_to_previous(single, tmp_path):
 
 
 def test_load_path_checks(tmp_path):
+    """A mistyped --load and an unreadable tracker are refused (an empty --load directory starts from scratch:
+    test_evaluations_walk_through_the_validation_set trains from one)."""
     _, proc = run_engine(tmp_path / "a", 1, "--train-iters", "1", "--load", str(tmp_path / "typo"), check=False)
     assert proc.returncode != 0 and f"--load {tmp_path / 'typo'} does not exist" in proc.stderr
-    (tmp_path / "empty").mkdir()
-    lines, proc = run_engine(tmp_path / "b", 1, "--train-iters", "1", "--load", str(tmp_path / "empty"))
-    assert "starting from scratch" in proc.stdout and len(train_losses(lines)) == 1
     (tmp_path / "bad").mkdir()
     (tmp_path / "bad" / "latest_checkpointed_iteration.txt").write_text("release\n")
     _, proc = run_engine(tmp_path / "c", 1, "--train-iters", "1", "--load", str(tmp_path / "bad"), check=False)
@@ -246,20 +245,24 @@ except BaseException as e:  # DCP's CheckpointException is a BaseException
     pytest.param("tp2pp2", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
                  marks=pytest.mark.slow, id="tp2pp2")])
 def test_reshard_tp2_checkpoint(tmp_path, name, nproc, layout):
-    """A TP2 checkpoint loaded at another layout gives the validation loss it gives at TP2."""
-    run_engine(tmp_path / "tp2", 2, "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "ck"))
-    got = {}
-    for leg, n, flags in [("same", 2, ["--tensor-model-parallel-size", "2"]), (name, nproc, layout)]:
-        lines, proc = run_engine(tmp_path / leg, n, *flags, "--load", str(tmp_path / "ck"), "--skip-train")
-        assert (leg == "same") != ("weights resharded" in proc.stdout), proc.stdout[-2000:]
-        got[leg] = valid_losses(lines)[-1]
-    assert got[name] == pytest.approx(got["same"], rel=1e-5)
+    """A TP2 checkpoint loaded at another layout gives the validation loss it gives at TP2: the TP2 run's own
+    evaluation at iteration 5 (after its last step, on the weights it then saves), on the same validation batches
+    (the checkpoint's validation position rewound to them)."""
+    saved, _ = run_engine(tmp_path / "tp2", 2, "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "ck"))
+    rewind_validation(tmp_path / "ck" / "iter_0000005")
+    lines, proc = run_engine(tmp_path / name, nproc, *layout, "--load", str(tmp_path / "ck"), "--skip-train")
+    assert "weights resharded" in proc.stdout, proc.stdout[-2000:]
+    assert valid_losses(lines)[-1] == pytest.approx(valid_losses(saved)[-1], rel=1e-5)
 
 
 def test_evaluations_walk_through_the_validation_set(tmp_path):
     """With a zero learning rate the model stays the same, so each evaluation's loss differs only because
-    it reads the next validation batches (Megatron-LM's behaviour), not the first ones again."""
-    lines, _ = run_engine(tmp_path, 1, "--lr", "0", "--train-iters", "3", "--eval-interval", "1", "--eval-iters", "1")
+    it reads the next validation batches (Megatron-LM's behaviour), not the first ones again. The run's --load
+    is an empty directory: it starts from scratch (said in the log) rather than refusing."""
+    (tmp_path / "empty").mkdir()
+    lines, proc = run_engine(tmp_path, 1, "--lr", "0", "--train-iters", "3", "--eval-interval", "1", "--eval-iters", "1",
+                             "--load", str(tmp_path / "empty"))
+    assert "starting from scratch" in proc.stdout and len(train_losses(lines)) == 3
     losses = valid_losses(lines)
     assert len(losses) == 3 and len(set(losses)) == 3, losses
 

@@ -16,10 +16,24 @@ def first(lines, key):
     return next(x[key] for x in lines if key in x)
 
 
+# ZeRO-1 at DP2 with fp32 gradients, 6 iterations: the memory formula's ZeRO-1 case (read at the first iteration,
+# which the longer run does not change) and the reference of --grad-reduce-in-bf16, one run for both
+ZERO1_FP32_GRADS = [*ARGS, "--train-iters", "6", "--lr", "1e-3", "--zero-1-memory-optimization"]
+
+
+@pytest.fixture(scope="module")
+def zero1_fp32_grads(tmp_path_factory):
+    lines, _ = run_engine(tmp_path_factory.mktemp("zero1_fp32_grads"), 2, *ZERO1_FP32_GRADS)
+    return lines
+
+
 @pytest.mark.parametrize("zero", [0, 1, 2], ids=["plain", "zero1", "zero2"])
-def test_optimizer_state_bytes_follow_formula(tmp_path, zero):
-    extra = [f"--zero-{zero}-memory-optimization"] if zero else []
-    lines, _ = run_engine(tmp_path, 2, *ARGS, *extra)
+def test_optimizer_state_bytes_follow_formula(tmp_path, zero, request):
+    if zero == 1:
+        lines = request.getfixturevalue("zero1_fp32_grads")
+    else:
+        extra = [f"--zero-{zero}-memory-optimization"] if zero else []
+        lines, _ = run_engine(tmp_path, 2, *ARGS, *extra)
     n = first(lines, "num_params")
     d = 2 if zero else 1
     g = 2 if zero == 2 else 1
@@ -31,12 +45,11 @@ def test_optimizer_state_bytes_follow_formula(tmp_path, zero):
         assert weights == pytest.approx(2 * n, rel=0.01, abs=65536)
 
 
-def test_grad_reduce_in_bf16_halves_the_gradient_buffer_and_tracks_fp32(tmp_path):
+def test_grad_reduce_in_bf16_halves_the_gradient_buffer_and_tracks_fp32(tmp_path, zero1_fp32_grads):
     """--grad-reduce-in-bf16: a bf16 gradient buffer (2 bytes per parameter instead of 4), reduced over DP in
     bf16; the losses follow the fp32-gradient run within bf16 rounding."""
-    args = [*ARGS, "--train-iters", "6", "--lr", "1e-3", "--zero-1-memory-optimization"]
-    fp32, _ = run_engine(tmp_path / "fp32", 2, *args)
-    bf16, proc = run_engine(tmp_path / "bf16", 2, *args, "--grad-reduce-in-bf16")
+    fp32 = zero1_fp32_grads
+    bf16, proc = run_engine(tmp_path / "bf16", 2, *ZERO1_FP32_GRADS, "--grad-reduce-in-bf16")
     assert "bf16 (bf16 gradients)" in proc.stdout
     n = first(bf16, "num_params")
     assert first(bf16, "bytes_grads") == pytest.approx(2 * n, rel=0.01, abs=65536)

@@ -10,6 +10,8 @@ gradients, so losses and weights alone do not see gradients summed instead of av
 runs without clipping and with an Adam epsilon far above every |gradient| (update ~ lr * m / eps, a
 momentum SGD), so such an error also reaches the weights and the losses.
 """
+import os
+
 import pytest
 import torch
 
@@ -42,15 +44,20 @@ LAYOUTS = {  # name -> (processes, flags, settings)
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """settings -> (metrics lines, weights) of the single-process run; each run once, when first needed."""
+def references(tmp_path_factory, tiny_reference):
+    """settings -> (metrics lines, weights) of the single-process run; each run once, when first needed (the
+    default one is the session's tiny_reference, shared with test_engine_switches)."""
     runs = {}
 
     def get(settings):
         if settings not in runs:
-            d = tmp_path_factory.mktemp(settings)
-            lines, _ = run_engine(d, 1, *SETTINGS[settings], "--save", str(d / "ckpt"))
-            runs[settings] = lines, full_weights(str(d / "ckpt" / "iter_0000005"))
+            if settings == "default":
+                lines, ckpt = tiny_reference
+            else:
+                d = tmp_path_factory.mktemp(settings)
+                ckpt = str(d / "ckpt")
+                lines, _ = run_engine(d, 1, *SETTINGS[settings], "--save", ckpt)
+            runs[settings] = lines, full_weights(os.path.join(ckpt, "iter_0000005"))
         return runs[settings]
 
     return get

@@ -3,7 +3,9 @@ import math
 
 import pytest
 
-from engine_utils import full_weights, per_iteration, run_counting_forwards, run_engine, train_losses
+from engine_utils import (
+    full_weights, per_iteration, run_counting_forwards, run_counting_forwards_together, run_engine, train_losses,
+)
 
 # TINY trains 5 iterations of 4 micro batches (global batch 8, micro batch 2, one process), 4 layers.
 MICRO_BATCHES = 5 * 4
@@ -11,9 +13,9 @@ LAYERS = range(1, 5)
 
 
 @pytest.fixture(scope="module")
-def plain(tmp_path_factory):
-    lines, _ = run_engine(tmp_path_factory.mktemp("plain"), 1)
-    return train_losses(lines)
+def plain(tiny_reference):
+    """The losses of TINY on one process without any switch (the session's run, shared with test_engine_parallel)."""
+    return train_losses(tiny_reference[0])
 
 
 # flags -> (layers whose whole forward is recomputed, layers whose core attention alone is recomputed)
@@ -25,12 +27,26 @@ RECOMPUTE = {
 }
 
 
+# test_deferred_step_metrics_record_what_immediate_ones_do: 7 iterations that log, evaluate and save at other steps
+DEFERRED = ["--train-iters", "7", "--log-interval", "5", "--eval-interval", "3", "--save-interval", "4"]
+
+
+@pytest.fixture(scope="module")
+def counted(tmp_path_factory):
+    """The counting runs of this module (each recompute setting, and the fp32 deferred-metrics run with its
+    checkpoints in DIR/deferred_ckpt), one after another in one process: (DIR, name -> (lines, forward calls))."""
+    d = tmp_path_factory.mktemp("counted")
+    runs = {name: flags for name, (flags, _, _) in RECOMPUTE.items()}
+    runs["deferred"] = [*DEFERRED, "--save", str(d / "deferred_ckpt")]
+    return d, run_counting_forwards_together(d, runs)
+
+
 @pytest.mark.parametrize("name", list(RECOMPUTE))
-def test_activation_recompute_reruns_the_forward_and_gives_the_same_losses(tmp_path, plain, name):
+def test_activation_recompute_reruns_the_forward_and_gives_the_same_losses(counted, plain, name):
     """Recomputation runs a module's forward a second time in the backward pass; counting forward calls
     proves it happens (and where), which equal losses alone cannot."""
-    args, full, attention_only = RECOMPUTE[name]
-    lines, calls = run_counting_forwards(tmp_path, *args)
+    _, full, attention_only = RECOMPUTE[name]
+    lines, calls = counted[1][name]
     expected = {}
     for n in LAYERS:
         expected[f"layer {n}"] = MICRO_BATCHES * (2 if n in full else 1)
@@ -131,14 +147,19 @@ def test_compile_builds_one_graph_for_all_layers_and_matches_eager(tmp_path, fam
 
 @pytest.mark.parametrize("precision", [[], pytest.param(["--fp16"], marks=pytest.mark.slow)],  # slow: CI time
                          ids=["fp32", "fp16"])  # fp16: a loss scale that moves
-def test_deferred_step_metrics_record_what_immediate_ones_do(tmp_path, precision):
+def test_deferred_step_metrics_record_what_immediate_ones_do(tmp_path, precision, request):
     """On a GPU the loop reads a step's metrics only once the next step is queued (no host synchronisation
     between steps); iterations that log, evaluate or save are finished at once. The same run with deferred
     metrics (forced on here, on the CPU) writes the same records in the same order, and saves the same
-    checkpoints, as the run that finishes every step at once."""
-    args = ["--train-iters", "7", "--log-interval", "5", "--eval-interval", "3", "--save-interval", "4", *precision]
+    checkpoints, as the run that finishes every step at once. (fp32: the deferred run is one of `counted`.)"""
+    args = [*DEFERRED, *precision]
     now, _ = run_engine(tmp_path / "now", 1, *args, "--save", str(tmp_path / "now" / "ckpt"))
-    deferred, _ = run_counting_forwards(tmp_path / "deferred", *args, "--save", str(tmp_path / "deferred" / "ckpt"))
+    if precision:
+        deferred, _ = run_counting_forwards(tmp_path / "deferred", *args, "--save", str(tmp_path / "deferred_ckpt"))
+        saved = tmp_path / "deferred_ckpt"
+    else:
+        d, runs = request.getfixturevalue("counted")
+        deferred, saved = runs["deferred"][0], d / "deferred_ckpt"
 
     def records(lines):
         return [{k: v for k, v in x.items() if k not in ("step_time", "wall_time")} for x in lines]
@@ -147,4 +168,4 @@ def test_deferred_step_metrics_record_what_immediate_ones_do(tmp_path, precision
     assert records(deferred) == records(now)
     assert all(x["step_time"] > 0 for x in deferred if "loss" in x)
     for it in (4, 7):
-        assert (tmp_path / "deferred" / "ckpt" / f"iter_{it:07d}").is_dir()
+        assert (saved / f"iter_{it:07d}").is_dir()

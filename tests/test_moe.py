@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from engine_utils import full_weights, per_iteration, run_engine, train_losses
+from engine_utils import full_weights, per_iteration, rewind_validation, run_engine, train_losses
 from megatron_patch.config import ConfigError, parse_args
 
 MOE = ["--num-layers", "2", "--lr", "1e-3", "--num-experts", "4", "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128",
@@ -116,14 +116,17 @@ def test_resume_is_exact(reference, tmp_path, extra):
 
 
 def test_checkpoint_reshards_experts(reference, tmp_path):
-    """Saved at EP1, loaded at EP2 (each rank takes its 2 of the 4 experts): the same validation loss."""
-    _, _, ckpt = reference
-    ep1, _ = run_engine(tmp_path / "ep1", 1, *MOE, "--load", str(ckpt), "--skip-train")
-    ep2, proc = run_engine(tmp_path / "ep2", 2, *MOE, "--expert-model-parallel-size", "2", "--load", str(ckpt),
+    """Saved at EP1, loaded at EP2 (each rank takes its 2 of the 4 experts): the same validation loss as the EP1
+    run's own evaluation at iteration 5 (after its last step, on the weights it saves there), on the same
+    validation batches (the checkpoint's validation position rewound to them)."""
+    lines, _, ckpt = reference
+    ck = _resume(ckpt, 5, tmp_path / "ck")
+    rewind_validation(ck / "iter_0000005")
+    ep2, proc = run_engine(tmp_path / "ep2", 2, *MOE, "--expert-model-parallel-size", "2", "--load", str(ck),
                            "--skip-train")
     assert "weights resharded" in proc.stdout
-    assert ep2[-1]["valid_loss"] == pytest.approx(ep1[-1]["valid_loss"], rel=1e-6)
-    assert ep2[-1]["test_loss"] == pytest.approx(ep1[-1]["test_loss"], rel=1e-6)
+    saved = [x["valid_loss"] for x in lines if x.get("iteration") == 5 and "valid_loss" in x]
+    assert len(saved) == 1 and ep2[-1]["valid_loss"] == pytest.approx(saved[0], rel=1e-6)
 
 
 @pytest.mark.slow

@@ -87,10 +87,12 @@ def test_moe_sample_trains_with_default_biases_on_two_workers_quietly(gpt_corpus
 
 
 def _engine(workdir, nproc: int, *args: str) -> subprocess.CompletedProcess:
-    """pretrain_megatron_gpt.py under torchrun, with a user's warning filters (engine_utils.run_engine hides them)."""
+    """pretrain_megatron_gpt.py under torchrun (one process: plainly, as its docstring allows), with a user's warning
+    filters (engine_utils.run_engine hides them)."""
     os.makedirs(workdir, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-           str(free_port()), os.path.join(ROOT, "pretrain_megatron_gpt.py"), *args,
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                str(free_port())] if nproc > 1 else [sys.executable]
+    cmd = [*launcher, os.path.join(ROOT, "pretrain_megatron_gpt.py"), *args,
            "--metrics-file", os.path.join(str(workdir), "metrics.jsonl")]
     env = dict({k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}, OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(workdir), env=env, timeout=900)

@@ -3,8 +3,6 @@ import json
 import os
 import re
 import subprocess
-import threading
-import time
 
 import numpy as np
 import pytest
@@ -12,23 +10,13 @@ import pytest
 from engine_utils import ROOT
 
 
-def test_run_gpt_sh_defaults_train_and_save(tmp_path):
-    """The demo as a user runs it, with the iteration count on the command line (TRAIN_ITERS keeps its 300):
-    what derives from it (warmup 1/15, one checkpoint at the end) must follow the flag. Its log goes to a
-    pipe and must arrive while the job runs, not at exit."""
-    env = dict(os.environ, LOG_INTERVAL="10", EVAL_INTERVAL="30", OUTPUT=str(tmp_path / "out"),
-               DEMO_DIR=str(tmp_path / "demo"), PYTHONWARNINGS="ignore")
-    for name in ("TRAIN_ITERS", "WARMUP", "SAVE_INTERVAL", "PYTHONUNBUFFERED"):
-        env.pop(name, None)
-    with open(tmp_path / "stderr.txt", "w") as err:
-        proc = subprocess.Popen(["bash", os.path.join(ROOT, "pretrain_scripts", "run_gpt.sh"), "--train-iters", "60"],
-                                stdout=subprocess.PIPE, stderr=err, text=True, env=env)
-        watchdog = threading.Timer(900, proc.kill)
-        watchdog.start()
-        arrivals = [(time.monotonic(), line) for line in iter(proc.stdout.readline, "")]
-        returncode = proc.wait()
-        watchdog.cancel()
-    stdout, stderr = "".join(line for _, line in arrivals), (tmp_path / "stderr.txt").read_text()
+def test_run_gpt_sh_defaults_train_and_save(gpt_demo):
+    """The demo as a user runs it (conftest's gpt_demo: demo data built offline, 60 iterations), with the iteration
+    count on the command line (TRAIN_ITERS keeps its 300): what derives from it (warmup 1/15, one checkpoint at the
+    end) must follow the flag. Its log goes to a pipe and must arrive while the job runs, not at exit. A second run
+    into its checkpoints is refused before launch."""
+    tmp_path, arrivals = gpt_demo.dir, gpt_demo.arrivals
+    stdout, stderr, returncode = gpt_demo.stdout, gpt_demo.stderr, gpt_demo.returncode
     assert returncode == 0, stderr[-4000:]
     lines = [json.loads(x) for x in open(tmp_path / "out" / "metrics.jsonl")]
     losses = [x["loss"] for x in lines if "loss" in x]
@@ -138,9 +126,10 @@ def test_run_gpt_sh_refuses_bad_data_before_launch(tmp_path):
                                        f"did you mean {tmp_path}/foreign_text_document?")
 
 
-def test_run_llama_sh_with_tensor_parallel(tmp_path):
+def test_run_llama_sh_with_tensor_parallel(tmp_path, gpt_demo):
+    """run_llama.sh at TP2 on the demo data (the gpt_demo run built it)."""
     env = dict(os.environ, TRAIN_ITERS="10", LOG_INTERVAL="5", EVAL_INTERVAL="10", OUTPUT=str(tmp_path / "out"),
-               DEMO_DIR=str(tmp_path / "demo"), GPUS="2", TP="2", PYTHONWARNINGS="ignore")
+               DEMO_DIR=str(gpt_demo.demo), GPUS="2", TP="2", PYTHONWARNINGS="ignore")
     proc = subprocess.run(["bash", os.path.join(ROOT, "pretrain_scripts", "run_llama.sh"), "--save-interval", "5"],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -15,6 +15,7 @@ from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import apply_factories
 
 from megatron_patch.compat.adam_state import fill_empty_adam_state, restore_adam_step
+from megatron_patch.compat.checkpoint_writer import write_results_in_process
 
 from . import rng
 
@@ -67,6 +68,7 @@ def save(path: str, model: List, optimizer, consume_model: bool = False) -> None
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=OPT_METADATA)
         state["rng_state"] = rng.sharded(rng.capture())
+    write_results_in_process()  # not megatron-core's Manager process, spawned at the first save of each rank
     dist_checkpointing.save(state, path)
 
 
