@@ -115,7 +115,9 @@ def make_scratch(root: str) -> str:
 
 def run_pytest(scratch: str, spec: str, timeout: int) -> Tuple[int, str]:
     """(pytest's exit status, or -1 on timeout; its output) for one test spec inside `scratch`."""
-    env = dict(os.environ, PYTHONPATH=scratch, PYTHONDONTWRITEBYTECODE="1")
+    # PY: the launchers (pretrain_scripts/*.sh) take the repository's .venv, which the scratch copy has not; this
+    # Python imports the scratch tree through PYTHONPATH
+    env = dict(os.environ, PYTHONPATH=scratch, PYTHONDONTWRITEBYTECODE="1", PY=sys.executable)
     cmd = [sys.executable, "-m", "pytest", "-q", "-x", "-rf", "-p", "no:cacheprovider", "-m", MARKERS,
            *shlex.split(spec)]
     try:
