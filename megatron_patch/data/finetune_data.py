@@ -16,7 +16,7 @@
 Label names: a split directory may hold `label_names.json`, e.g. `{"label": ["neg", "pos"]}` or
 `{"ner_tags": ["O", "B-CODE", ...]}`; the loader then turns those columns into `ClassLabel`
 (`List(ClassLabel)` for token tags), so `label_names()` returns the names and the stored values are the
-class ids. `task_corpora.write_task_dataset` writes this file.
+class ids. `megatron_patch.demo.task_corpora.write_task_dataset` writes this file.
 
 Bad files fail in one sentence naming the file and the position: an empty file, bytes that are not UTF-8
 (line), a JSON syntax error (line and column), a split without a column the task reads (the columns found,
