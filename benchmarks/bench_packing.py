@@ -23,7 +23,7 @@ def real_lengths(n: int, seed: int = 0) -> np.ndarray:
     import json
     import tempfile
 
-    from megatron_patch.data.demo_corpus import build_demo_corpus
+    from megatron_patch.demo.corpus import build_demo_corpus
     from megatron_patch.data.tokenizers import build_tokenizer
     from megatron_patch.data.train_tokenizer import train
 

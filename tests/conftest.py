@@ -28,7 +28,7 @@ def workdir(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def corpus(workdir) -> str:
-    from megatron_patch.data.demo_corpus import build_demo_corpus
+    from megatron_patch.demo.corpus import build_demo_corpus
 
     path = str(workdir / "corpus.jsonl")
     docs, size = build_demo_corpus(path, max_bytes=600_000)

@@ -127,7 +127,8 @@ def test_presets_and_overrides():
 
 
 def test_entry_point_reports_config_errors(tmp_path):
-    import subprocess, sys
+    import subprocess
+    import sys
     from engine_utils import ROOT
 
     proc = subprocess.run([sys.executable, f"{ROOT}/pretrain_megatron_gpt.py", *BASE, "--tensor-model-parallel-size", "3"],

@@ -15,11 +15,11 @@ import huggingface_hub.constants
 import pytest
 from datasets import ClassLabel, Dataset, DatasetDict, Features, List, Value
 
-from megatron_patch.data import task_corpora as tc
-from megatron_patch.data.demo_corpus import iter_stdlib_docstrings
-from megatron_patch.data.finetune_data import (FinetuneDataError, encode_labels, find_columns, label_names,
-                                               load_finetune_dataset)
+from megatron_patch.data.finetune_data import FinetuneDataError, encode_labels, label_names, load_finetune_dataset
 from megatron_patch.data.sentences import split_sentences
+from megatron_patch.data.task_columns import find_columns
+from megatron_patch.demo import task_corpora as tc
+from megatron_patch.demo.corpus import iter_stdlib_docstrings
 
 SIZES = {"train": 100, "validation": 30, "test": 20}
 SEED = 7

@@ -28,7 +28,7 @@ KEYS = {"input_ids", "attention_mask", "token_type_ids", "labels", "next_sentenc
 def bert_prefix(minilm_vocab, tmp_path_factory):
     """A small demo corpus (real English docstrings; smaller than conftest's `corpus`, to stay fast),
     sentence-split and tokenized with the real MiniLM WordPiece vocabulary, as a user does."""
-    from megatron_patch.data.demo_corpus import build_demo_corpus
+    from megatron_patch.demo.corpus import build_demo_corpus
 
     workdir = tmp_path_factory.mktemp("hfbert")
     corpus = str(workdir / "corpus.jsonl")

@@ -193,7 +193,8 @@ def test_json_document_and_csv_faults_name_the_file(tmp_path):
 
 
 def test_a_split_without_a_column_of_the_train_split_names_its_file(tmp_path):
-    from megatron_patch.data.finetune_data import FinetuneDataError, find_task_columns, load_finetune_dataset
+    from megatron_patch.data.finetune_data import FinetuneDataError, load_finetune_dataset
+    from megatron_patch.data.task_columns import find_task_columns
 
     _jsonl(str(tmp_path / "train.jsonl"), ROWS)
     _jsonl(str(tmp_path / "validation.jsonl"), [{"sentence": r["sentence"]} for r in ROWS])

@@ -3,7 +3,7 @@ import json
 import os
 
 from conftest import run_tool
-from megatron_patch.data.demo_corpus import build_demo_corpus
+from megatron_patch.demo.corpus import build_demo_corpus
 from megatron_patch.data.sentences import split_sentences
 
 

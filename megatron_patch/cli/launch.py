@@ -40,11 +40,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def inside_worker() -> bool:
-    """True in a process torchrun started (ours or the user's own torchrun)."""
-    return "LOCAL_RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
 def torchrun_command(argv: List[str], nproc: int) -> List[str]:
     multi_node = nodes() > 1
     port = os.environ.get("MASTER_PORT") or (None if multi_node else str(_free_port()))

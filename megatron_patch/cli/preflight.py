@@ -66,7 +66,8 @@ def check_data(args: argparse.Namespace) -> None:
     if args.task in FINETUNE_TASKS:
         import datasets
 
-        from megatron_patch.data.finetune_data import find_task_columns, load_finetune_dataset
+        from megatron_patch.data.finetune_data import load_finetune_dataset
+        from megatron_patch.data.task_columns import find_task_columns
 
         bars = datasets.is_progress_bar_enabled()
         datasets.disable_progress_bars()  # the workers show theirs; this load only fills the cache they read

@@ -161,7 +161,7 @@ def stage_flags(chunk: torch.nn.Module) -> tuple:
 BATCH_KEYS = ["tokens", "labels", "loss_mask", "position_ids"]
 
 
-def forward_step(data_iterator, model, seq_length: int):
+def forward_step(data_iterator, model):
     """One micro batch through one model chunk; returns the output and the loss function.
 
     Only chunks that embed tokens (first stage) or compute the loss (last stage) need the batch, and of a
@@ -295,7 +295,7 @@ class Trainer:
 
     def _forward_step_func(self):
         """megatron-core's forward-step contract: (data_iterator, model) -> (output, loss_func)."""
-        return partial(forward_step, seq_length=self.cfg.seq_length)
+        return forward_step
 
     def _iterator(self, dataset, consumed: int, cycle: bool):
         return build_iterator(dataset, self.cfg, consumed, cycle)
@@ -323,7 +323,6 @@ class Trainer:
         dist.all_reduce(t)
         print_rank_0(f"data: {int(t[0])} of {dist.get_world_size()} ranks read batches ({self.reads_where}; the "
                      f"others receive them or need none): {int(t[1])} micro batches read in the first iteration")
-        self.reads_first_iteration = (int(t[0]), int(t[1]))
 
     def _run_batches(self, iterator, forward_only: bool):
         cfg = self.cfg

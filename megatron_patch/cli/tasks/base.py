@@ -8,7 +8,8 @@ from typing import Dict, List
 
 import torch
 
-from megatron_patch.data.finetune_data import find_task_columns, load_finetune_dataset
+from megatron_patch.data.finetune_data import load_finetune_dataset
+from megatron_patch.data.task_columns import find_task_columns
 from megatron_patch.templates.finetuner import Finetuner
 from megatron_patch.templates.globals import get_logger
 

@@ -1,6 +1,6 @@
 """Small fine-tuning datasets for every `--task`, made offline from real English text.
 
-The text is the Python standard library's docstrings (`demo_corpus.iter_stdlib_docstrings`), read in a
+The text is the Python standard library's docstrings (`megatron_patch.demo.corpus.iter_stdlib_docstrings`), read in a
 fixed order, so a seed and a Python version always give the same files. Row shapes follow the public
 datasets the CLI is used with:
 
@@ -38,7 +38,7 @@ import re
 from collections import Counter
 from typing import Iterator
 
-from megatron_patch.data.demo_corpus import iter_stdlib_docstrings
+from megatron_patch.demo.corpus import iter_stdlib_docstrings
 from megatron_patch.data.sentences import split_sentences
 
 TASKS = ("sequence_classification", "token_classification", "question_answering", "masked_lm",
