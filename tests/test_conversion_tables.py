@@ -76,13 +76,13 @@ def test_tables_use_every_tensor_transformers_saves(model_type):
     family = tables.for_model_type(model_type)
     args = family.engine_args(config.to_dict())
     cfg = Config(**args)
-    rules = family.TABLE.expand(options(cfg), cfg.num_layers)
+    rules = family.table.expand(options(cfg), cfg.num_layers)
     saved = [k for k in model.state_dict() if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    check_coverage(family.TABLE, rules, saved, where="model")
+    check_coverage(family.table, rules, saved, where="model")
     with pytest.raises(ConversionError, match="does not use"):
-        check_coverage(family.TABLE, rules, saved + ["model.extra.weight"], where="model")
+        check_coverage(family.table, rules, saved + ["model.extra.weight"], where="model")
     with pytest.raises(ConversionError, match="lacks"):
-        check_coverage(family.TABLE, rules, saved[1:], where="model")
+        check_coverage(family.table, rules, saved[1:], where="model")
 
 
 def test_unsupported_config_is_refused_in_words():
