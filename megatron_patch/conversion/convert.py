@@ -119,34 +119,33 @@ def _free_port() -> int:
 
 def run_workers(nproc: int, task_args: List[str]) -> int:
     """Start `nproc` worker processes on the CPU (gloo); their log streams through. Returns the workers' exit
-    status (0 ok, 2 conversion error, 3 verification failed), which each worker writes to a status file
-    of its own (worker.py --status-dir); a worker that died without one is reported with torchrun's log."""
+    status (0 ok, 2 conversion error, 3 verification failed), which each worker writes to a result file
+    of its own (result.py); a worker that died without one is reported with torchrun's log."""
+    from .result import BAD_INPUT, FAILED_VERIFY, OK, read_results
+
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
     with tempfile.TemporaryDirectory(prefix="convert_status_") as status_dir, tempfile.TemporaryFile("w+") as err:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                str(_free_port()), "-m", "megatron_patch.conversion.worker", *task_args, "--status-dir", status_dir]
         proc = subprocess.run(cmd, env=env, stderr=err, text=True)
-        reports = []
-        for name in sorted(os.listdir(status_dir)):
-            with open(os.path.join(status_dir, name)) as f:
-                reports.append(json.load(f))
-        codes = {r["status"] for r in reports}
-        if 2 in codes:  # a refusal: the same message from several ranks is shown once
-            messages = [r["message"] for r in reports if r["status"] == 2]
+        reports = read_results(status_dir)
+        codes = {r.status for r in reports}
+        if BAD_INPUT in codes:  # a refusal: the same message from several ranks is shown once
+            messages = [r.message for r in reports if r.status == BAD_INPUT]
             print("\n".join(f"conversion error: {m}" for m in dict.fromkeys(messages)), file=sys.stderr)
-            return 2
-        if 3 in codes:  # the verdict is on stdout already; torchrun's traceback would only hide it
+            return BAD_INPUT
+        if FAILED_VERIFY in codes:  # the verdict is on stdout already; torchrun's traceback would only hide it
             print("verification failed: the two models' logits differ (the verdict above), so the converted weights "
                   "do not reproduce the model. Rerun with --debug to see the first layer whose output differs, then "
                   "check that layer's rules in the family's table (QKV grouping, rotary layout, Conv1D transposes)",
                   file=sys.stderr)
-            return 3
+            return FAILED_VERIFY
         if proc.returncode != 0 or len(reports) < nproc:  # a worker died without saying why: show its log
             err.seek(0)
             print(err.read()[-6000:], file=sys.stderr)
             return proc.returncode or 1
-    return 0
+    return OK
 
 
 def hf2mcore(a: argparse.Namespace) -> int:
