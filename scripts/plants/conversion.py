@@ -63,6 +63,13 @@ PLANTS = [
          property="a worker's result file carries its verdict: a failed verify reaches the user as exit 3 with "
                   "its message (here: the worker writes success on a failed verify)",
          tests=[WRONG]),
+    dict(name="family-by-model-type-prefix", file="megatron_patch/conversion/family.py",
+         original="            if model_type in f.model_types:",
+         replacement="            if any(model_type.startswith(t) for t in f.model_types):",
+         property="a config.json's model_type selects its own family (here: by prefix, so qwen2_moe is read with "
+                  "the dense qwen2 table)",
+         tests=["tests/test_conversion_tables.py::test_family_registry_names_the_known_families_and_refuses_a_second_one",
+                "tests/test_conversion_moe.py -k tables_use_every_tensor"]),
     dict(name="export-checker-ranks-only", file="megatron_patch/conversion/architecture.py",
          original="        if want is not None and tuple(shape) != want:",
          replacement="        if want is not None and len(shape) != len(want):",
