@@ -75,8 +75,8 @@ def hf2mcore(args) -> int:
     from megatron_patch.training.loop import build_model, model_info
 
     config = read_hf_config(args.load_dir)
-    model = tables.for_model_type(config.get("model_type", "")).engine_args(config)
-    cfg = engine_config(args, model, load_hf=args.load_dir, save=args.save_dir,
+    arch = tables.for_model_type(config.get("model_type", "")).engine_args(config)
+    cfg = engine_config(args, arch, load_hf=args.load_dir, save=args.save_dir,
                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                         bf16=args.hf_dtype == "bfloat16", fp16=args.hf_dtype == "float16")  # exact: no rounding
     initialize(cfg)
