@@ -60,7 +60,7 @@ def grad_difference(chunks, cfg, hf_model, pp: int) -> float:
 
     family = tables.for_model_type("bert")
     grads = {n: p.grad for n, p in hf_model.named_parameters() if p.grad is not None}
-    rules = {r.mcore: r for r in family.TABLE.expand(options(cfg), cfg.num_layers)}
+    rules = {r.mcore: r for r in family.table.expand(options(cfg), cfg.num_layers)}
     d = dims(cfg, cfg.model_vocab_size, padded_vocab_size(cfg.model_vocab_size, cfg))
     worst = 0.0
     for chunk in chunks:

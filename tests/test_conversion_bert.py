@@ -32,7 +32,7 @@ SMALL = dict(vocab_size=101, hidden_size=32, num_hidden_layers=2, num_attention_
 
 def _rules(config: dict, **overrides):
     cfg = Config(**{**BERT.engine_args(config), **overrides})
-    return cfg, BERT.TABLE.expand(options(cfg), cfg.num_layers)
+    return cfg, BERT.table.expand(options(cfg), cfg.num_layers)
 
 
 def _saved_names(model) -> list:
@@ -60,7 +60,7 @@ def test_table_uses_every_tensor_transformers_saves(cls, absent):
     cfg, rules = _rules(config.to_dict())
     missing = absent_parts(rules, names)
     assert set(missing) == absent
-    check_coverage(BERT.TABLE, [r for r in rules if r.part not in missing], names, where=cls)
+    check_coverage(BERT.table, [r for r in rules if r.part not in missing], names, where=cls)
 
 
 def test_minilm_goes_through_the_table_and_back_bit_for_bit(minilm_dir):
@@ -71,17 +71,17 @@ def test_minilm_goes_through_the_table_and_back_bit_for_bit(minilm_dir):
     assert (cfg.model_family, cfg.num_layers, cfg.hidden_size, cfg.ffn_hidden_size, cfg.norm_epsilon) == \
         ("bert", 6, 384, 1536, 1e-12)
     names, read = hf_reader(minilm_dir, BERT)
-    assert "bert.embeddings.position_ids" in names and BERT.TABLE.ignored("bert.embeddings.position_ids")
+    assert "bert.embeddings.position_ids" in names and BERT.table.ignored("bert.embeddings.position_ids")
     missing = absent_parts(rules, names)
     assert set(missing) == {"MLM head", "NSP head"}  # MiniLM keeps its pooler
     present = [r for r in rules if r.part not in missing]
-    check_coverage(BERT.TABLE, present, names, where=minilm_dir)
+    check_coverage(BERT.table, present, names, where=minilm_dir)
     d = dims(cfg, 30522, 30528)
     mcore = {r.mcore: to_mcore(r, read, d) for r in present}
     assert mcore["embedding.word_embeddings.weight"].shape == (30528, 384)
     assert not mcore["embedding.word_embeddings.weight"][30522:].any()
     back = dict(to_hf(present, mcore.__getitem__, d))
-    original = {n: read(n) for n in names if not BERT.TABLE.ignored(n)}
+    original = {n: read(n) for n in names if not BERT.table.ignored(n)}
     assert_same_tensors(original, back, "MiniLM through the bert table")
 
 
@@ -90,10 +90,10 @@ def test_a_model_without_binary_head_drops_pooler_and_nsp_tensors():
 
     cfg, rules = _rules(transformers.BertConfig(**SMALL).to_dict(), bert_binary_head=False)
     assert not any(r.mcore.startswith(("pooler.", "binary_head.")) for r in rules)
-    unbuilt = {h for r in BERT.TABLE.unbuilt(options(cfg), cfg.num_layers) for h in r.hf}
+    unbuilt = {h for r in BERT.table.unbuilt(options(cfg), cfg.num_layers) for h in r.hf}
     assert unbuilt == {"bert.pooler.dense.weight", "bert.pooler.dense.bias", "cls.seq_relationship.weight",
                        "cls.seq_relationship.bias"}
-    assert BERT.architectures(cfg) == ["BertForMaskedLM"]
+    assert tables.bert.architectures(cfg) == ["BertForMaskedLM"]
 
 
 @pytest.mark.parametrize("change,phrase", [

@@ -257,8 +257,7 @@ def test_every_family_exports_a_config_with_its_sizes_left_at_defaults(family):
     cfg = resolve(stored)
     module = tables.for_engine(cfg)
     config = module.hf_config(cfg, VOCAB, None)
-    if hasattr(module, "export_config"):
-        config = module.export_config(config, cfg)
+    config = module.export_config(config, cfg)
     shapes = hf_parameter_shapes(config)
     ffn = {"mixtral": cfg.moe_ffn_hidden_size}.get(family, 4 * HIDDEN)
     width = config.get("intermediate_size") or config.get("n_inner")

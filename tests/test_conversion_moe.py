@@ -77,8 +77,8 @@ def test_tables_use_every_tensor_save_pretrained_writes(family, hf_dir):
     module = tables.for_model_type(family)
     config = _config(family).to_dict()
     cfg = Config(**module.engine_args(config))
-    rules = module.TABLE.rules_for(cfg)
-    check_coverage(module.TABLE, rules, names, where=family)  # nothing missing, nothing left over
+    rules = module.table.rules_for(cfg)
+    check_coverage(module.table, rules, names, where=family)  # nothing missing, nothing left over
     experts = [r for r in rules if ".local_experts." in r.mcore]
     sparse = len(cfg.moe_layers())
     assert len(experts) == sparse * 4 * 2  # fc1 and fc2 of 4 experts per sparse layer
@@ -88,7 +88,7 @@ def test_tables_use_every_tensor_save_pretrained_writes(family, hf_dir):
     fused = [k for k in build_hf_model(family).state_dict() if k.endswith("experts.gate_up_proj")]
     assert fused
     with pytest.raises(ConversionError, match="does not use"):
-        check_coverage(module.TABLE, rules, names + fused, where=family)
+        check_coverage(module.table, rules, names + fused, where=family)
 
 
 @pytest.mark.parametrize("family", list(MOE_FAMILIES))
@@ -103,7 +103,7 @@ def test_expert_rules_compute_transformers_experts(family, hf_dir):
     model = build_hf_model(family)
     module = tables.for_model_type(family)
     cfg = Config(**module.engine_args(model.config.to_dict()))
-    rules = {r.mcore: r for r in module.TABLE.rules_for(cfg)}
+    rules = {r.mcore: r for r in module.table.rules_for(cfg)}
     read, d = HFCheckpointReader(hf_dir(family)).get, dims(cfg, VOCAB, VOCAB)
     get = lambda name: to_mcore(rules[f"decoder.layers.0.mlp.{name}"], read, d)  # noqa: E731
     block = model.model.layers[0].mlp

@@ -76,13 +76,13 @@ def test_tables_use_every_tensor_transformers_saves(model_type):
     family = tables.for_model_type(model_type)
     args = family.engine_args(config.to_dict())
     cfg = Config(**args)
-    rules = family.TABLE.expand(options(cfg), cfg.num_layers)
+    rules = family.table.expand(options(cfg), cfg.num_layers)
     saved = [k for k in model.state_dict() if not (k == "lm_head.weight" and config.tie_word_embeddings)]
-    check_coverage(family.TABLE, rules, saved, where="model")
+    check_coverage(family.table, rules, saved, where="model")
     with pytest.raises(ConversionError, match="does not use"):
-        check_coverage(family.TABLE, rules, saved + ["model.extra.weight"], where="model")
+        check_coverage(family.table, rules, saved + ["model.extra.weight"], where="model")
     with pytest.raises(ConversionError, match="lacks"):
-        check_coverage(family.TABLE, rules, saved[1:], where="model")
+        check_coverage(family.table, rules, saved[1:], where="model")
 
 
 def test_unsupported_config_is_refused_in_words():
@@ -91,3 +91,25 @@ def test_unsupported_config_is_refused_in_words():
         tables.for_model_type("llama").engine_args(config.to_dict())
     with pytest.raises(ConversionError, match="model_type 't5'"):
         tables.for_model_type("t5")
+
+
+def test_family_registry_names_the_known_families_and_refuses_a_second_one():
+    """One registry, name -> Family: every model_type and --model-family value leads to one family, an unknown
+    name is refused with the known ones listed, and a second family under a taken name is a bug. (< 1 s)"""
+    import dataclasses
+
+    from megatron_patch.conversion.family import Registry
+    from megatron_patch.conversion.mapping import OPTIONS, When
+
+    known = tables.FAMILIES.names()
+    assert known == ("bert", "gpt2", "llama", "mixtral", "qwen2_moe")
+    with pytest.raises(ConversionError, match="unknown model family 't5': the conversion knows " + ", ".join(known)):
+        tables.family("t5")
+    for f in tables.FAMILIES:
+        assert all(tables.for_model_type(t) is f for t in f.model_types)
+        assert all(tables.FAMILIES.for_engine_family(n) is f for n in f.engine_families)
+        assert all(r.when is None or (isinstance(r.when, When) and r.when in OPTIONS) for r in f.table.rules)
+    registry = Registry()
+    registry.register(tables.llama.FAMILY)
+    with pytest.raises(ValueError, match="qwen2 already registered"):
+        registry.register(dataclasses.replace(tables.qwen2_moe.FAMILY, model_types=("qwen2",)))

@@ -38,7 +38,10 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional
+
+if TYPE_CHECKING:
+    from .family import Family
 
 ROOT_HELP = "Convert checkpoints between Hugging Face and the engine (megatron-core), both ways, any TP/PP."
 STAGING_INFIX = ".partial-"  # .<name>.partial-XXXX next to --save-dir: a conversion being written
@@ -51,8 +54,7 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--load-dir", required=True, help="source: a Hugging Face directory, or an engine checkpoint "
                    "(a --save directory or one iter_XXXXXXX in it)")
     p.add_argument("--save-dir", required=True, help="destination directory (must be empty or absent)")
-    p.add_argument("--model-family", default="auto", choices=["auto", "gpt2", "gpt", "llama", "qwen2", "mistral", "mixtral",
-                                                       "qwen2_moe", "bert"],
+    p.add_argument("--model-family", default="auto", choices=["auto", *family_names()],
                    help="auto: config.json's model_type (hf2mcore) or the checkpoint's family (mcore2hf)")
     p.add_argument("--target-tensor-model-parallel-size", type=int, default=1)
     p.add_argument("--target-pipeline-model-parallel-size", type=int, default=1)
@@ -74,6 +76,13 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if a.verify is None:
         a.verify = a.direction == "mcore2hf"  # an export is proved by default (module docstring)
     return a
+
+
+def family_names() -> List[str]:
+    """What --model-family accepts besides auto: every registered family's model_types and engine names."""
+    from .tables import FAMILIES
+
+    return sorted({*FAMILIES.model_types(), *FAMILIES.engine_families()})
 
 
 def _bytes(text: str) -> int:
@@ -110,42 +119,47 @@ def _free_port() -> int:
 
 def run_workers(nproc: int, task_args: List[str]) -> int:
     """Start `nproc` worker processes on the CPU (gloo); their log streams through. Returns the workers' exit
-    status (0 ok, 2 conversion error, 3 verification failed), which each worker writes to a status file
-    of its own (worker.py --status-dir); a worker that died without one is reported with torchrun's log."""
+    status (0 ok, 2 conversion error, 3 verification failed), which each worker writes to a result file
+    of its own (result.py); a worker that died without one is reported with torchrun's log."""
+    from .result import BAD_INPUT, FAILED_VERIFY, OK, read_results
+
     env = dict(os.environ, CUDA_VISIBLE_DEVICES="", PYTHONUNBUFFERED="1",
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
     with tempfile.TemporaryDirectory(prefix="convert_status_") as status_dir, tempfile.TemporaryFile("w+") as err:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                str(_free_port()), "-m", "megatron_patch.conversion.worker", *task_args, "--status-dir", status_dir]
         proc = subprocess.run(cmd, env=env, stderr=err, text=True)
-        reports = []
-        for name in sorted(os.listdir(status_dir)):
-            with open(os.path.join(status_dir, name)) as f:
-                reports.append(json.load(f))
-        codes = {r["status"] for r in reports}
-        if 2 in codes:  # a refusal: the same message from several ranks is shown once
-            messages = [r["message"] for r in reports if r["status"] == 2]
+        reports = read_results(status_dir)
+        codes = {r.status for r in reports}
+        if BAD_INPUT in codes:  # a refusal: the same message from several ranks is shown once
+            messages = [r.message for r in reports if r.status == BAD_INPUT]
             print("\n".join(f"conversion error: {m}" for m in dict.fromkeys(messages)), file=sys.stderr)
-            return 2
-        if 3 in codes:  # the verdict is on stdout already; torchrun's traceback would only hide it
+            return BAD_INPUT
+        if FAILED_VERIFY in codes:  # the verdict is on stdout already; torchrun's traceback would only hide it
             print("verification failed: the two models' logits differ (the verdict above), so the converted weights "
                   "do not reproduce the model. Rerun with --debug to see the first layer whose output differs, then "
                   "check that layer's rules in the family's table (QKV grouping, rotary layout, Conv1D transposes)",
                   file=sys.stderr)
-            return 3
+            return FAILED_VERIFY
         if proc.returncode != 0 or len(reports) < nproc:  # a worker died without saying why: show its log
             err.seek(0)
             print(err.read()[-6000:], file=sys.stderr)
             return proc.returncode or 1
-    return 0
+    return OK
 
 
 def hf2mcore(a: argparse.Namespace) -> int:
+    from . import tables
     from .hf_io import HFCheckpointReader, read_hf_config
+    from .mapping import ConversionError
 
     config = read_hf_config(a.load_dir)
     _family_check(a.model_family, config.get("model_type", "?"))
     _check_save_dir(a.save_dir)
+    try:  # the family and the engine model of config.json, refused here (before any worker) if not supported
+        tables.for_model_type(config.get("model_type", "")).engine_args(config)
+    except ConversionError as e:
+        raise ConversionError(f"{a.load_dir}: {e}") from None
     reader = HFCheckpointReader(a.load_dir)
     reader.check_files()  # a truncated or corrupt shard is named here, before any worker starts
     first = next(iter(reader.keys()))
@@ -257,15 +271,15 @@ def mcore2hf(a: argparse.Namespace) -> int:
     stored = reader.config
     cfg = Config(**{f.name: stored[f.name] for f in dataclasses.fields(Config) if f.name in stored})
     family = tables.for_engine(cfg)
-    _family_check(a.model_family, cfg.model_family or family.TABLE.family)
+    _family_check(a.model_family, cfg.model_family or family.name)
     _check_save_dir(a.save_dir)
     cfg = resolve(cfg)  # the dimensions of the model that was built, defaults included
     info = reader.manifest.get("model", {})
-    rules = family.TABLE.rules_for(cfg)
+    rules = family.table.rules_for(cfg)
     have, need = set(reader.keys()), {r.mcore for r in rules}
     if have != need:
         extra, missing = sorted(have - need), sorted(need - have)
-        raise ConversionError(f"{a.load_dir}: the {family.TABLE.family} table "
+        raise ConversionError(f"{a.load_dir}: the {family.name} table "
                               + (f"needs {', '.join(missing[:3])}, which the checkpoint lacks" if missing else
                                  f"does not use {', '.join(extra[:3])}: converting would drop them"))
 
@@ -279,7 +293,7 @@ def mcore2hf(a: argparse.Namespace) -> int:
     return publish(a.save_dir, "mcore2hf", export, a.verify)
 
 
-def _write_export(a: argparse.Namespace, reader, cfg, family, info: dict, rules, out: str) -> str:
+def _write_export(a: argparse.Namespace, reader, cfg, family: "Family", info: dict, rules, out: str) -> str:
     """Write config.json, the safetensors and the tokenizer files of the export into `out`; returns the
     dtype name written (fp32/bf16/fp16)."""
     import torch
@@ -292,14 +306,13 @@ def _write_export(a: argparse.Namespace, reader, cfg, family, info: dict, rules,
     vocab, padded = info["vocab_size"], info["padded_vocab_size"]
     # a converted model keeps its original config.json; an engine-native one gets its tokenizer's end of document
     hf_config = dict(info.get("hf_config") or family.hf_config(cfg, vocab, _end_of_document(cfg, vocab)))
-    if hasattr(family, "export_config"):  # e.g. BERT: the export has heads a bare BertModel original lacked
-        hf_config = family.export_config(hf_config, cfg)
+    hf_config = family.export_config(hf_config, cfg)  # e.g. BERT: the heads a bare BertModel original lacked
     name = a.dtype if a.dtype != "auto" else {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}.get(
         info.get("hf_dtype") or "", "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32")
     dtype = getattr(torch, DTYPES[name])
     hf_config.pop("torch_dtype", None)
     hf_config["dtype"] = DTYPES[name]
-    print(f"mcore2hf: {reader.path} (iteration {reader.manifest['iteration']}, {family.TABLE.family}, layout "
+    print(f"mcore2hf: {reader.path} (iteration {reader.manifest['iteration']}, {family.name}, layout "
           f"{reader.manifest['layout']}) -> {a.save_dir} ({name})", flush=True)
     t0 = time.time()
     check = ExportChecker(hf_config, f"{reader.path} -> {a.save_dir}")

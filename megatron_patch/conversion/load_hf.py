@@ -10,7 +10,7 @@ tensors of optional parts the model does not build are dropped and reported."""
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, Iterable, List
+from typing import Callable, Dict, Iterable, List, Tuple
 
 import torch
 import torch.distributed as dist
@@ -20,15 +20,16 @@ from megatron_patch.models.init import initial_tensor
 from megatron_patch.models.partition import global_name, global_shape, local_shard
 
 from . import tables
+from .family import Family
 from .hf_io import HFCheckpointReader, read_hf_config
 from .mapping import ConversionError, absent_parts, check_coverage, dims, options, to_mcore
 
 
-def hf_reader(hf_dir: str, family) -> "callable":
+def hf_reader(hf_dir: str, family: Family) -> Tuple[List[str], Callable[[str], torch.Tensor]]:
     """(names, read) for a Hugging Face directory, with the family's optional name prefix restored."""
     reader = HFCheckpointReader(hf_dir)
     names = list(reader.keys())
-    prefix = getattr(family, "HF_PREFIX", "")
+    prefix = family.hf_prefix
     if prefix and names and not any(n.startswith(prefix) for n in names):
         return [prefix + n for n in names], lambda n: reader.get(n[len(prefix):] if n.startswith(prefix) else n)
     return names, reader.get
@@ -82,15 +83,15 @@ def load_hf_weights(chunks: List[torch.nn.Module], cfg, hf_dir: str) -> Dict:
     vocab = cfg.model_vocab_size
     d = dims(cfg, vocab, padded_vocab_size(vocab, cfg))
     opts = options(cfg)
-    every = family.TABLE.rules_for(cfg)
+    every = family.table.rules_for(cfg)
     absent = absent_parts(every, names)
     initialise = {r.mcore for rs in absent.values() for r in rs}
     rules = {r.mcore: r for r in every if r.mcore not in initialise}
     present = set(names)
-    dropped = sorted(h for r in family.TABLE.unbuilt(opts, cfg.num_layers) for h in r.hf if h in present)
-    check_coverage(family.TABLE, list(rules.values()), [n for n in names if n not in dropped], where=hf_dir)
+    dropped = sorted(h for r in family.table.unbuilt(opts, cfg.num_layers) for h in r.hf if h in present)
+    check_coverage(family.table, list(rules.values()), [n for n in names if n not in dropped], where=hf_dir)
     n = load_global_weights(chunks, cfg, lambda g: to_mcore(rules[g], read, d), rules,
-                            f"{hf_dir} ({family.TABLE.family} table)", initialise=initialise)
+                            f"{hf_dir} ({family.name} table)", initialise=initialise)
     return {"tensors": len(names) - len(dropped), "parameters": n, "dropped": dropped,
             "initialised": {p: [r.mcore for r in rs] for p, rs in absent.items()}}
 

@@ -6,8 +6,9 @@ of the unwrapped GPTModel's state dict (`decoder.layers.{i}.` with the global la
 the TP/PP layout (megatron_patch.models.partition cuts them to a rank's slice). `{i}` runs over layers,
 `{e}` over the experts of a mixture-of-experts layer (global expert numbers, whatever the EP layout:
 `decoder.layers.{i}.mlp.experts.local_experts.{e}.`).
-A rule can depend on an option of the model (`when`): tied or untied output layer, biases, learned
-position embeddings, LayerNorm (with bias) or RMSNorm, BERT's binary head, a shared expert; and on the kind
+A rule can depend on an option of the model (`when`, a `When` predicate of the engine Config): tied or untied
+output layer, biases, learned position embeddings, LayerNorm (with bias) or RMSNorm, BERT's binary head, a
+shared expert; and on the kind
 of layer (`layers`): "moe" for the layers with experts, "dense" for the others (a model may mix them).
 A rule can belong to an optional `part` of the model (BERT's MLM head, pooler, NSP head): a Hugging Face
 checkpoint without any tensor of the part is still converted, the part being initialised (and reported)
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -46,11 +47,40 @@ class ConversionError(ValueError):
 
 
 @dataclass(frozen=True)
+class When:
+    """A model option a rule depends on: a named predicate of the engine Config (the name is for reading)."""
+    name: str
+    holds: Callable[[Any], bool]
+
+    def __call__(self, cfg) -> bool:
+        return bool(self.holds(cfg))
+
+
+def _bias(cfg) -> bool:
+    return not cfg.disable_bias_linear
+
+
+def _shared_expert(cfg) -> bool:
+    return bool(cfg.num_experts and cfg.moe_shared_expert_intermediate_size)
+
+
+UNTIED = When("untied", lambda c: c.untie_embeddings_and_output_weights)
+BIAS = When("bias", _bias)
+QKV_BIAS = When("qkv_bias", lambda c: _bias(c) or c.add_qkv_bias)
+LEARNED_POSITIONS = When("learned_positions", lambda c: c.position_embedding_type == "learned_absolute")
+NORM_BIAS = When("norm_bias", lambda c: c.normalization == "LayerNorm")
+BINARY_HEAD = When("binary_head", lambda c: c.bert_binary_head)
+SHARED_EXPERT = When("shared_expert", _shared_expert)
+SHARED_EXPERT_GATE = When("shared_expert_gate", lambda c: _shared_expert(c) and c.moe_shared_expert_gate)
+OPTIONS = (UNTIED, BIAS, QKV_BIAS, LEARNED_POSITIONS, NORM_BIAS, BINARY_HEAD, SHARED_EXPERT, SHARED_EXPERT_GATE)
+
+
+@dataclass(frozen=True)
 class Rule:
     mcore: str
     hf: Tuple[str, ...]
     transform: Transform = IDENTITY
-    when: Optional[str] = None  # a model option (see `options`) that must be true for the rule to apply
+    when: Optional[When] = None  # a model option that must hold for the rule to apply
     part: Optional[str] = None  # an optional part of the model (module docstring)
     layers: Optional[str] = None  # "moe" / "dense": only layers with / without experts (None: every layer)
 
@@ -66,7 +96,7 @@ class Table:
     rules: Tuple[Rule, ...]
     ignored_hf: Tuple[str, ...] = ()  # regexes of Hugging Face tensors that carry no weights (buffers)
 
-    def expand(self, options: Dict[str, bool], num_layers: int, moe_layers: Sequence[int] = (),
+    def expand(self, options: Dict[When, bool], num_layers: int, moe_layers: Sequence[int] = (),
                num_experts: int = 0) -> List[Rule]:
         """The concrete rules of one model: options applied, `{i}` filled for every layer of the rule's kind
         (`moe_layers`: the global numbers of the layers with experts), `{e}` for each of `num_experts`."""
@@ -80,7 +110,7 @@ class Table:
                 out.extend(layer.at(e, "{e}") for e in range(num_experts)) if "{e}" in r.mcore else out.append(layer)
         return out
 
-    def unbuilt(self, options: Dict[str, bool], num_layers: int) -> List[Rule]:
+    def unbuilt(self, options: Dict[When, bool], num_layers: int) -> List[Rule]:
         """The rules of the optional parts that this model does not build at all (every rule's `when` false; a
         part with one rule off, such as the untied output layer of a tied MLM head, is built)."""
         built = {r.part for r in self.expand(options, num_layers)}
@@ -106,15 +136,9 @@ def absent_parts(rules: Sequence[Rule], hf_names: Iterable[str]) -> Dict[str, Li
     return {p: rs for p, rs in parts.items() if not any(h in present for r in rs for h in r.hf)}
 
 
-def options(cfg) -> Dict[str, bool]:
-    """The model options rules depend on, from an engine Config."""
-    bias = not cfg.disable_bias_linear
-    return {"untied": cfg.untie_embeddings_and_output_weights, "bias": bias, "qkv_bias": bias or cfg.add_qkv_bias,
-            "learned_positions": cfg.position_embedding_type == "learned_absolute",
-            "norm_bias": cfg.normalization == "LayerNorm", "binary_head": getattr(cfg, "bert_binary_head", True),
-            "shared_expert": bool(cfg.num_experts and cfg.moe_shared_expert_intermediate_size),
-            "shared_expert_gate": bool(cfg.num_experts and cfg.moe_shared_expert_intermediate_size
-                                       and cfg.moe_shared_expert_gate)}
+def options(cfg) -> Dict[When, bool]:
+    """Whether each model option (`OPTIONS`) holds for an engine Config."""
+    return {w: w(cfg) for w in OPTIONS}
 
 
 def dims(cfg, vocab: int, padded_vocab: int) -> Dims:

@@ -7,26 +7,39 @@
                its logits (BERT: hidden states and heads) with a Hugging Face directory's
 
 `python -m megatron_patch.conversion.worker {hf2mcore|verify} ... --status-dir DIR` (not meant to be run by
-hand). Each process writes its outcome to DIR/rank_<r>.json, {"status": 0 | 2 | 3, "message": ...}: the parent
-reads its workers' verdict there, not from torchrun's log.
+hand). The engine configuration is built here as a Config (`engine_config`): the architecture from the family's
+mapping of config.json (hf2mcore) or from the checkpoint's stored one (verify), the layout from the parent.
+Each process writes its outcome (result.py: status 0 ok, 2 conversion error, 3 failed verify, and a message) to
+DIR/rank_<r>.json: the parent reads its workers' verdict there, not from torchrun's log or exit status.
 """
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
 import sys
-from typing import List, Optional
+from typing import Dict, Optional
+
+from megatron_patch.conversion.result import BAD_INPUT, FAILED_VERIFY, OK, WorkerResult, write_result
+
+# What the conversion's Config says of training, which it never does: validate() asks every run for data and
+# a schedule; these are also the settings stored with an hf2mcore checkpoint (its weights, no step taken).
+NOT_TRAINED = dict(mock_data=True, micro_batch_size=1, train_iters=1, eval_iters=0)
 
 
-def _engine_config(args, extra: List[str]):
-    from megatron_patch.config import parse_args
+def engine_config(args, model: Dict, **settings):
+    """The engine Config of the model to convert: its architecture (`model`: Config fields), the worker's layout
+    (--tp/--pp/--ep/--etp), and `settings` (precision, --load-hf, --save ...)."""
+    from megatron_patch.config import Config
 
-    flags = ["--mock-data", "--micro-batch-size", "1", "--train-iters", "1", "--eval-iters", "0",
-             "--tensor-model-parallel-size", str(args.tp), "--pipeline-model-parallel-size", str(args.pp),
-             "--expert-model-parallel-size", str(args.ep), *(["--expert-tensor-parallel-size", str(args.etp)]
-                                                            if args.etp else []), *extra]
-    cfg = parse_args(flags)
+    known = {f.name for f in dataclasses.fields(Config)}
+    cfg = Config(**{k: v for k, v in model.items() if k in known}, **NOT_TRAINED,
+                 tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
+                 expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp,
+                 # megatron-core builds a tensor-parallel MoE layer only with sequence parallelism (validate() says
+                 # so for training); it changes how activations are split, not the weights
+                 sequence_parallel=bool(model.get("num_experts")) and args.tp > 1, **settings)
+    cfg.vocab_size = cfg.model_vocab_size  # the random tokens of mock data: the model's whole vocabulary (unused)
     cfg.seq_length = min(cfg.max_position_embeddings or args.seq, args.seq)
     return cfg
 
@@ -38,13 +51,6 @@ def verify_length(cfg, seq: int) -> int:
     if cfg.position_embedding_type == "learned_absolute" and cfg.max_position_embeddings:
         return cfg.max_position_embeddings
     return min(cfg.max_position_embeddings or seq, seq)
-
-
-def _moe_layout(cfg) -> None:
-    """megatron-core builds a tensor-parallel MoE layer only with sequence parallelism (validate() says so for
-    training); it changes how activations are split, not the weights, so the conversion turns it on."""
-    if cfg.num_experts and cfg.tensor_model_parallel_size > 1:
-        cfg.sequence_parallel = True
 
 
 def _hf_model(hf_dir: str):
@@ -62,14 +68,17 @@ def _is_reporting_rank() -> bool:
 
 def hf2mcore(args) -> int:
     """Build the model in the target layout in the Hugging Face dtype, load the weights, save them."""
+    from megatron_patch.conversion import tables
+    from megatron_patch.conversion.hf_io import read_hf_config
+    from megatron_patch.parallel import initialize
     from megatron_patch.training.checkpoint import Checkpointer, TrainState
     from megatron_patch.training.loop import build_model, model_info
-    from megatron_patch.parallel import initialize
 
-    precision = {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(args.hf_dtype, [])  # exact: no rounding
-    cfg = _engine_config(args, ["--load-hf", args.load_dir, "--save", args.save_dir, *precision,
-                                "--make-vocab-size-divisible-by", str(args.make_vocab_size_divisible_by)])
-    _moe_layout(cfg)
+    config = read_hf_config(args.load_dir)
+    arch = tables.for_model_type(config.get("model_type", "")).engine_args(config)
+    cfg = engine_config(args, arch, load_hf=args.load_dir, save=args.save_dir,
+                        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+                        bf16=args.hf_dtype == "bfloat16", fp16=args.hf_dtype == "float16")  # exact: no rounding
     initialize(cfg)
     model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
     info = model_info(cfg, cfg.model_vocab_size)
@@ -78,7 +87,7 @@ def hf2mcore(args) -> int:
     # the stored configuration names the directory the checkpoint is published as, not the staging one.
     cfg.save = args.publish_dir or args.save_dir
     Checkpointer(cfg, model, None, None, model_info=info).save(TrainState(), consume_model=True, root=args.save_dir)
-    return 0
+    return OK
 
 
 def verify_checkpoint(args) -> int:
@@ -92,15 +101,11 @@ def verify_checkpoint(args) -> int:
     from megatron_patch.training.loop import build_model
 
     reader = MegatronCheckpointReader(args.load_dir)
-    cfg = _engine_config(args, [])
     info = reader.manifest.get("model", {})
-    for key in ARCHITECTURE:  # the architecture stored with the checkpoint
-        if key in reader.config:
-            setattr(cfg, key, reader.config[key])
-    cfg.model_vocab_size, cfg.padded_vocab_size = info["vocab_size"], info["padded_vocab_size"]
-    cfg.vocab_size = cfg.model_vocab_size  # the random tokens of --mock-data, unused here
+    arch = {key: reader.config[key] for key in ARCHITECTURE if key in reader.config}  # stored with the checkpoint
+    arch.update(model_vocab_size=info["vocab_size"], padded_vocab_size=info["padded_vocab_size"])
+    cfg = engine_config(args, arch)
     cfg.seq_length = verify_length(cfg, args.seq)
-    _moe_layout(cfg)
     initialize(cfg)
     model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
     get = reader.get
@@ -118,17 +123,13 @@ def verify_checkpoint(args) -> int:
         from megatron_patch.conversion.verify_bert import hf_bert_model as load_hf, verify_bert as check
     hf = load_hf(args.hf_dir) if _is_reporting_rank() else None
     ok = check(model, hf, cfg.model_vocab_size, cfg.seq_length, debug=args.debug, log=print_rank_0)
-    return 0 if ok else 3
+    return OK if ok else FAILED_VERIFY
 
 
 def _report(status_dir: Optional[str], status: int, message: str = "") -> None:
-    """This process's outcome, for the parent (convert.run_workers)."""
+    """This process's outcome, for the parent (convert.run_workers reads it)."""
     if status_dir:
-        rank = int(os.environ.get("RANK", "0"))
-        tmp = os.path.join(status_dir, f".rank_{rank}.json.tmp")
-        with open(tmp, "w") as f:
-            json.dump({"status": status, "message": message}, f)
-        os.replace(tmp, os.path.join(status_dir, f"rank_{rank}.json"))  # whole or absent
+        write_result(status_dir, WorkerResult(int(os.environ.get("RANK", "0")), status, message))
 
 
 def main(argv=None) -> int:
@@ -162,8 +163,8 @@ def main(argv=None) -> int:
     except (ConversionError, HFCheckpointError, CheckpointError, ConfigError) as e:
         if int(os.environ.get("RANK", "0")) == 0:
             print(f"conversion error: {e}", file=sys.stderr, flush=True)
-        _report(args.status_dir, 2, str(e))
-        return 2
+        _report(args.status_dir, BAD_INPUT, str(e))
+        return BAD_INPUT
     finally:
         destroy()
 

@@ -1,41 +1,36 @@
-"""One conversion table per model family. Adding a family: a module with TABLE, engine_args(config.json)
-and hf_config(engine config, vocab, end-of-document id), registered below under its Hugging Face model_type(s);
-optionally HF_PREFIX (a name prefix that bare base-model checkpoints omit) and export_config(config.json, engine
-config) (config.json of an export, from the original's)."""
+"""The model families of the conversion, registered by name (`FAMILIES`, conversion/family.py).
+
+Adding a family: a module here that builds `FAMILY = Family(table, model_types, engine_families, engine_args,
+hf_config, ...)` (its conversion table, its config.json <-> engine Config mapping, its optional parts), and
+one line below that registers it."""
 from __future__ import annotations
 
-from types import ModuleType
-from typing import Dict
-
-from ..mapping import ConversionError
+from ..family import Family, Registry
 from . import bert, gpt2, llama, mixtral, qwen2_moe
 
-BY_MODEL_TYPE: Dict[str, ModuleType] = {"gpt2": gpt2, "llama": llama, "qwen2": llama, "mistral": llama,
-                                        "mixtral": mixtral, "qwen2_moe": qwen2_moe, "bert": bert}
-ENGINE_FAMILY = {"gpt2": "gpt", "gpt": "gpt", "llama": "llama", "qwen2": "qwen2", "mistral": "mistral",
-                 "mixtral": "mixtral", "qwen2_moe": "qwen2_moe", "bert": "bert"}
+FAMILIES = Registry()
+for _module in (gpt2, llama, mixtral, qwen2_moe, bert):
+    FAMILIES.register(_module.FAMILY)
 
 
-def for_model_type(model_type: str) -> ModuleType:
-    if model_type not in BY_MODEL_TYPE:
-        raise ConversionError(f"config.json model_type {model_type!r}: conversion supports "
-                              f"{', '.join(sorted(BY_MODEL_TYPE))}")
-    return BY_MODEL_TYPE[model_type]
+def family(name: str) -> Family:
+    """The family registered as `name`; ConversionError listing the known ones otherwise."""
+    return FAMILIES.get(name)
 
 
-def for_engine(cfg) -> ModuleType:
-    """The table of an engine model: by --model-family, else by its architecture (SwiGLU + RMSNorm + RoPE;
-    with experts: a shared expert makes it Qwen2-MoE, none Mixtral)."""
+def for_model_type(model_type: str) -> Family:
+    """The family of a Hugging Face config.json's model_type; ConversionError listing the supported ones."""
+    return FAMILIES.for_model_type(model_type)
+
+
+def for_engine(cfg) -> Family:
+    """The family of an engine model (a Config or its dict): by --model-family, else by its architecture
+    (SwiGLU + RMSNorm + RoPE is a Llama; with experts: a shared expert makes it Qwen2-MoE, none Mixtral)."""
     g = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
-    family = g("model_family")
-    if family == "bert":
-        return bert
-    if family in ("gpt", "gpt2"):
-        return gpt2
-    if family in ("mixtral", "qwen2_moe"):
-        return BY_MODEL_TYPE[family]
-    if g("num_experts") and g("swiglu") and g("normalization") == "RMSNorm":
-        return qwen2_moe if g("moe_shared_expert_intermediate_size") else mixtral
-    if family in ("llama", "qwen2", "mistral"):
-        return llama
-    return llama if g("swiglu") and g("normalization") == "RMSNorm" else gpt2
+    named = FAMILIES.for_engine_family(g("model_family"))
+    if named is not None and named is not llama.FAMILY:  # a llama-named model with experts is one of the MoE families
+        return named
+    llama_like = g("swiglu") and g("normalization") == "RMSNorm"
+    if g("num_experts") and llama_like:
+        return qwen2_moe.FAMILY if g("moe_shared_expert_intermediate_size") else mixtral.FAMILY
+    return named or (llama.FAMILY if llama_like else gpt2.FAMILY)

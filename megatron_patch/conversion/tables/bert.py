@@ -2,7 +2,7 @@
 (megatron_patch/models/bert.py).
 
 A bare `BertModel` checkpoint (e.g. MiniLM, sentence-transformers) names its tensors without `bert.` and has
-no MLM/NSP heads: the prefix is restored on reading (HF_PREFIX), and the heads it lacks are optional parts,
+no MLM/NSP heads: the prefix is restored on reading (hf_prefix), and the heads it lacks are optional parts,
 initialised on import and reported. The export always has the MLM head (and with the binary head the pooler
 and NSP head), so it is written as BertForPreTraining (or BertForMaskedLM), which transformers' BertModel
 also loads (it drops the heads and the `bert.` prefix).
@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from ..mapping import ConversionError, Rule, Table
+from ..family import Family
+from ..mapping import BINARY_HEAD, UNTIED, ConversionError, Rule, Table
 from ..transforms import FUSE_QKV, PAD_VOCAB
 
 L = "encoder.layers.{i}."
@@ -46,16 +47,15 @@ TABLE = Table("bert", (
     Rule("lm_head.layer_norm.weight", (MLM + "transform.LayerNorm.weight",), part="MLM head"),
     Rule("lm_head.layer_norm.bias", (MLM + "transform.LayerNorm.bias",), part="MLM head"),
     Rule("output_layer.bias", (MLM + "bias",), PAD_VOCAB, part="MLM head"),
-    Rule("output_layer.weight", (MLM + "decoder.weight",), PAD_VOCAB, when="untied", part="MLM head"),
+    Rule("output_layer.weight", (MLM + "decoder.weight",), PAD_VOCAB, when=UNTIED, part="MLM head"),
     # the binary head: pooler (dense + tanh on [CLS]) and next-sentence classifier
-    Rule("pooler.dense.weight", ("bert.pooler.dense.weight",), when="binary_head", part="pooler"),
-    Rule("pooler.dense.bias", ("bert.pooler.dense.bias",), when="binary_head", part="pooler"),
-    Rule("binary_head.weight", ("cls.seq_relationship.weight",), when="binary_head", part="NSP head"),
-    Rule("binary_head.bias", ("cls.seq_relationship.bias",), when="binary_head", part="NSP head"),
+    Rule("pooler.dense.weight", ("bert.pooler.dense.weight",), when=BINARY_HEAD, part="pooler"),
+    Rule("pooler.dense.bias", ("bert.pooler.dense.bias",), when=BINARY_HEAD, part="pooler"),
+    Rule("binary_head.weight", ("cls.seq_relationship.weight",), when=BINARY_HEAD, part="NSP head"),
+    Rule("binary_head.bias", ("cls.seq_relationship.bias",), when=BINARY_HEAD, part="NSP head"),
 ), ignored_hf=(r"bert\.embeddings\.position_ids",  # the arange buffer of older checkpoints
                r"cls\.predictions\.decoder\.weight",  # a tied copy of word_embeddings, where a checkpoint stores it
                r"cls\.predictions\.decoder\.bias"))  # the same tensor as cls.predictions.bias (tied)
-HF_PREFIX = "bert."  # a bare BertModel's checkpoint names its tensors without it
 
 SUPPORTED = "absolute position embeddings, hidden_act 'gelu' (exact), type_vocab_size 2, an encoder (no decoder)"
 
@@ -115,3 +115,8 @@ def hf_config(cfg, vocab: int, eod: Optional[int]) -> Dict:
                    layer_norm_eps=g("norm_epsilon"), initializer_range=g("init_method_std"),
                    tie_word_embeddings=not g("untie_embeddings_and_output_weights"), architectures=architectures(cfg))
     return c.to_dict()
+
+
+FAMILY = Family(TABLE, model_types=("bert",), engine_families=("bert",), engine_args=engine_args, hf_config=hf_config,
+                hf_prefix="bert.",  # a bare BertModel's checkpoint names its tensors without it
+                export_config=export_config)

@@ -3,7 +3,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from ..mapping import ConversionError, Rule, Table
+from ..family import Family
+from ..mapping import UNTIED, ConversionError, Rule, Table
 from ..transforms import CONV1D_QKV, PAD_VOCAB, TRANSPOSE
 
 L = "decoder.layers.{i}."
@@ -26,10 +27,9 @@ TABLE = Table("gpt2", (
     Rule(L + "mlp.linear_fc2.bias", (H + "mlp.c_proj.bias",)),
     Rule("decoder.final_layernorm.weight", ("transformer.ln_f.weight",)),
     Rule("decoder.final_layernorm.bias", ("transformer.ln_f.bias",)),
-    Rule("output_layer.weight", ("lm_head.weight",), PAD_VOCAB, when="untied"),
+    Rule("output_layer.weight", ("lm_head.weight",), PAD_VOCAB, when=UNTIED),
 ), ignored_hf=(r"transformer\.h\.\d+\.attn\.(bias|masked_bias)",  # causal-mask buffers of older checkpoints
                r"lm_head\.weight"))  # a tied copy of wte, where a checkpoint stores it
-HF_PREFIX = "transformer."  # checkpoints of GPT2Model (the hub's gpt2) store names without it
 
 # GPT-2's activation names -> the engine's --openai-gelu (the tanh approximation) or exact GELU
 ACTIVATIONS = {"gelu_new": True, "gelu_pytorch_tanh": True, "gelu_fast": True, "gelu": False}
@@ -67,3 +67,8 @@ def hf_config(cfg, vocab: int, eod: Optional[int]) -> Dict:
                    attn_pdrop=g("attention_dropout"), tie_word_embeddings=not g("untie_embeddings_and_output_weights"),
                    bos_token_id=eod, eos_token_id=eod, architectures=["GPT2LMHeadModel"])
     return c.to_dict()
+
+
+FAMILY = Family(TABLE, model_types=("gpt2",), engine_families=("gpt", "gpt2"), engine_args=engine_args,
+                hf_config=hf_config,
+                hf_prefix="transformer.")  # checkpoints of GPT2Model (the hub's gpt2) store names without it

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
-from ..mapping import ConversionError, Rule, Table
+from ..family import Family
+from ..mapping import QKV_BIAS, UNTIED, ConversionError, Rule, Table
 from ..transforms import FUSE_GATE_UP, FUSE_QKV, PAD_VOCAB
 
 L = "decoder.layers.{i}."
@@ -18,13 +19,13 @@ TABLE = Table("llama", (
          (H + "self_attn.q_proj.weight", H + "self_attn.k_proj.weight", H + "self_attn.v_proj.weight"), FUSE_QKV),
     Rule(L + "self_attention.linear_qkv.bias",
          (H + "self_attn.q_proj.bias", H + "self_attn.k_proj.bias", H + "self_attn.v_proj.bias"), FUSE_QKV,
-         when="qkv_bias"),
+         when=QKV_BIAS),
     Rule(L + "self_attention.linear_proj.weight", (H + "self_attn.o_proj.weight",)),
     Rule(L + "pre_mlp_layernorm.weight", (H + "post_attention_layernorm.weight",)),
     Rule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), FUSE_GATE_UP),
     Rule(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",)),
     Rule("decoder.final_layernorm.weight", ("model.norm.weight",)),
-    Rule("output_layer.weight", ("lm_head.weight",), PAD_VOCAB, when="untied"),
+    Rule("output_layer.weight", ("lm_head.weight",), PAD_VOCAB, when=UNTIED),
 ), ignored_hf=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",  # a buffer of older checkpoints
                r"lm_head\.weight"))  # a tied copy of embed_tokens, where a checkpoint stores it
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
@@ -84,3 +85,7 @@ def hf_config(cfg, vocab: int, eod: Optional[int]) -> Dict:
     if family == "mistral":
         kw["sliding_window"] = None
     return cls(**kw).to_dict()
+
+
+FAMILY = Family(TABLE, model_types=("llama", "qwen2", "mistral"), engine_families=("llama", "qwen2", "mistral"),
+                engine_args=engine_args, hf_config=hf_config)

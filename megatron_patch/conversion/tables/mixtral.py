@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional
 
+from ..family import Family
 from ..mapping import ConversionError, Rule, Table
 from ..transforms import FUSE_GATE_UP
 from . import llama
@@ -73,3 +74,7 @@ def hf_config(cfg, vocab: int, eod: Optional[int]) -> Dict:
                       sliding_window=None, hidden_act="silu", bos_token_id=eod, eos_token_id=eod,
                       architectures=["MixtralForCausalLM"])
     return c.to_dict()
+
+
+FAMILY = Family(TABLE, model_types=("mixtral",), engine_families=("mixtral",), engine_args=engine_args,
+                hf_config=hf_config)

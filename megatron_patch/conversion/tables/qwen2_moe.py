@@ -18,7 +18,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Dict, List, Optional
 
-from ..mapping import ConversionError, Rule, Table
+from ..family import Family
+from ..mapping import SHARED_EXPERT, SHARED_EXPERT_GATE, ConversionError, Rule, Table
 from ..transforms import FUSE_GATE_UP
 from . import llama
 
@@ -37,10 +38,10 @@ TABLE = Table("qwen2_moe", QWEN2 + (
     Rule(L + E + "linear_fc2.weight", (H + X + "down_proj.weight",), layers="moe"),
     Rule(L + "mlp.shared_experts.linear_fc1.weight",
          (H + "mlp.shared_expert.gate_proj.weight", H + "mlp.shared_expert.up_proj.weight"), FUSE_GATE_UP,
-         when="shared_expert", layers="moe"),
+         when=SHARED_EXPERT, layers="moe"),
     Rule(L + "mlp.shared_experts.linear_fc2.weight", (H + "mlp.shared_expert.down_proj.weight",),
-         when="shared_expert", layers="moe"),
-    Rule(L + "mlp.shared_experts.gate_weight", (H + "mlp.shared_expert_gate.weight",), when="shared_expert_gate",
+         when=SHARED_EXPERT, layers="moe"),
+    Rule(L + "mlp.shared_experts.gate_weight", (H + "mlp.shared_expert_gate.weight",), when=SHARED_EXPERT_GATE,
          layers="moe"),
 ), ignored_hf=llama.TABLE.ignored_hf)
 
@@ -101,3 +102,7 @@ def hf_config(cfg, vocab: int, eod: Optional[int]) -> Dict:
     if head_dim * heads != hidden:
         c.head_dim = head_dim  # Qwen2MoeAttention reads it when present
     return c.to_dict()
+
+
+FAMILY = Family(TABLE, model_types=("qwen2_moe",), engine_families=("qwen2_moe",), engine_args=engine_args,
+                hf_config=hf_config)
