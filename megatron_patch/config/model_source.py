@@ -37,7 +37,7 @@ def newest_manifest(path: str) -> Optional[Tuple[int, Dict]]:
     none to read (no directory, no checkpoint, or a damaged one: loading reports that, with the directory named)."""
     import os
 
-    from megatron_patch.training.checkpoint import directory  # torch-free: the on-disk layout only
+    from . import checkpoint_layout as directory  # torch-free: the on-disk layout only
 
     if not os.path.isdir(path):
         return None

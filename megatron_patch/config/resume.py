@@ -197,7 +197,7 @@ def _differences(cfg: Config, manifest: Dict) -> List[str]:
 
 def check_save(cfg: Config) -> Optional[str]:
     """The refusal (one line) of writing into a --save directory that holds another run's checkpoints, or None."""
-    from megatron_patch.training.checkpoint import directory  # torch-free: the on-disk layout only
+    from . import checkpoint_layout as directory  # torch-free: the on-disk layout only
 
     save = cfg.save
     if not save or cfg.skip_train:  # --skip-train only evaluates: it writes no checkpoint

@@ -15,10 +15,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_patch.compat import apply_safe_loading, safe_loading
 from megatron_patch.compat.optimizer import set_param_group_lr_range
 from megatron_patch.config import Config
+from megatron_patch.config import checkpoint_layout as directory
+from megatron_patch.config.checkpoint_layout import CheckpointError, checkpoint_dir
 from megatron_patch.config.resume import check_schedule, layout, restores
 
-from . import directory, fsdp_dtensor, torch_dist
-from .directory import CheckpointError, checkpoint_dir
+from . import fsdp_dtensor, torch_dist
 
 BACKENDS = {torch_dist.FORMAT: torch_dist, fsdp_dtensor.FORMAT: fsdp_dtensor}
 
@@ -34,10 +35,10 @@ class TrainState:
 def _versions() -> Dict[str, str]:
     import megatron.core
 
-    import megatron_patch
+    from megatron_patch.version import __version__
 
     return {"torch": torch.__version__, "megatron_core": getattr(megatron.core, "__version__", "?"),
-            "megatron_patch": getattr(megatron_patch, "__version__", "?")}
+            "megatron_patch": __version__}
 
 
 def _print0(msg: str) -> None:
