@@ -18,7 +18,8 @@ and checked against two rules:
 
 (b) No import cycles: neither between modules nor between subpackages. An import's edge goes to the module it
     names (`from pkg import sub` where `sub` is a module goes to `pkg.sub`; `from pkg import name` to `pkg`'s
-    `__init__`). The parent packages that Python runs on the way (`pkg/__init__` for `pkg.sub`) are not edges:
+    `__init__`). Imports under `if TYPE_CHECKING:` (for annotations) are not run and are not edges. The parent
+    packages that Python runs on the way (`pkg/__init__` for `pkg.sub`) are not edges:
     every `__init__` that re-exports its children would otherwise close a circle with each of them.
 
 EXCEPTIONS names the imports allowed against the order, each with its reason; an exception that is no longer
@@ -70,6 +71,18 @@ def _known(name: str, mods: Dict) -> str:
     return name
 
 
+def _run_time_nodes(tree: ast.AST):
+    """Every node of `tree` except those under `if TYPE_CHECKING:` (imports for annotations, never run)."""
+    todo = [tree]
+    while todo:
+        node = todo.pop()
+        yield node
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            todo.extend(node.orelse)
+            continue
+        todo.extend(ast.iter_child_nodes(node))
+
+
 def imports(mods: Dict[str, Tuple[pathlib.Path, bool]]) -> List[Tuple[str, str, int]]:
     """Every (importer, imported, line) between modules of the package, function-level imports included."""
     out = []
@@ -78,7 +91,7 @@ def imports(mods: Dict[str, Tuple[pathlib.Path, bool]]) -> List[Tuple[str, str, 
             continue
         tree = ast.parse(path.read_text(), filename=str(path))
         here = name if is_package else name.rsplit(".", 1)[0]
-        for node in ast.walk(tree):
+        for node in _run_time_nodes(tree):
             if isinstance(node, ast.Import):
                 for alias in node.names:
                     if alias.name == PACKAGE or alias.name.startswith(PACKAGE + "."):

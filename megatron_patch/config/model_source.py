@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from .config import ConfigError
+from .errors import ConfigError
 
 # Fields that define the model's parameters (and so must match the weights that will be loaded).
 ARCHITECTURE = ("model_family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",

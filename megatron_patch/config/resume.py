@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
-from .config import Config, ConfigError
+from .errors import ConfigError
 from .model_source import ARCHITECTURE, FLAG, newest_manifest
+
+if TYPE_CHECKING:  # annotations only: Config.validate() calls these checks
+    from .config import Config
 
 
 def layout(cfg: Config) -> Dict[str, int]:
