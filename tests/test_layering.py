@@ -6,7 +6,7 @@ and checked against two rules:
 (a) The layer order of DESIGN.md: a subpackage imports only from its own layer or below.
 
         layer 0  compat, config, data          (and the root's leaf modules: the compiled `_C`, `version`)
-        layer 1  models, parallel, accelerations
+        layer 1  models, parallel, accelerations, demo (the demo corpora, once they leave data/)
         layer 2  training
         layer 3  conversion, templates
         layer 4  cli
@@ -37,7 +37,7 @@ PACKAGE = "megatron_patch"
 
 LAYERS: List[Tuple[str, ...]] = [
     ("compat", "config", "data", "_C", "version"),
-    ("models", "parallel", "accelerations"),
+    ("models", "parallel", "accelerations", "demo"),  # demo: the demo and test corpora (they read data)
     ("training",),
     ("conversion", "templates"),
     ("cli",),

@@ -11,9 +11,10 @@ from megatron_patch.compat.quiet import quiet_known_noise
 from megatron_patch.templates.globals import get_logger, set_args
 from megatron_patch.training.entry import destroy_process_groups
 
-from .arguments import UsageError, parse_args
+from megatron_patch.config.rapidformer_flags import UsageError, parse_args
+from megatron_patch.templates.rules import check
+
 from .preflight import offline
-from .rules import check
 from .status import report_usage_error
 
 

@@ -46,7 +46,7 @@ class PreTrainer:
     # ---- the loop --------------------------------------------------------------------------------------------
     def train(self) -> List[dict]:
         """Pretrain for --train-iters iterations; returns one dict of metrics per iteration."""
-        from megatron_patch.cli.flag_use import refuse_unused
+        from megatron_patch.config.flag_use import refuse_unused
         from megatron_patch.config import ConfigError
         from megatron_patch.parallel import initialize
         from megatron_patch.training.data import sample_counts
