@@ -72,7 +72,7 @@ apply_onnx_runtime_fixes() (onnx_runtime.py), order `ONNX_RUNTIME`:
   train with --onnx-runtime-training (onnxruntime-training-cpu 1.19.2 is an optional extra).
 
 Called at their call sites (not applied globally):
-  dynamo.py        tp_group_default_without_warning (--compile: training/compile.py, before compiling)
+  dynamo.py        tp_group_default_without_warning (--compile: models/compile.py, before compiling)
   linear.py        route_linears_through (--gradient-accumulation-fusion: models/wgrad_fusion.py, built chunks)
                    count_linears_without_collective (its log: which linears the fused path takes)
   moe.py           route_experts_through (--moe-grouped-gemm: models/grouped_experts.py, built chunks)

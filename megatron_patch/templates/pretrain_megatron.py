@@ -46,6 +46,16 @@ def current_config() -> Config:
     return _CONFIG
 
 
+def build_stage_model() -> List[torch.nn.Module]:
+    """This rank's model chunks of the PreTrainer run under way, built as `pretrain_megatron_gpt.py` builds them
+    (the vocabulary of --tokenizer-type/--vocab-file, --load-hf, the model switches): what GPTModel() returns."""
+    from megatron_patch.training.data import tokenizer_from_config
+    from megatron_patch.training.loop import build_model_chunks, model_vocab_size
+
+    cfg = current_config()
+    return build_model_chunks(cfg, model_vocab_size(cfg, tokenizer_from_config(cfg)))
+
+
 def is_megatron_model(model) -> bool:
     """A megatron-core module (or a list of them, one per virtual pipeline stage)."""
     from megatron.core.transformer.module import MegatronModule
