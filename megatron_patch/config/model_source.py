@@ -1,6 +1,8 @@
 """Where the model's architecture comes from when it is not given by flags: a Hugging Face directory
 (`--load-hf`: its config.json) or an engine checkpoint (`--load`: the configuration stored in its
-checkpoint.json). The user then does not repeat shapes; a flag that contradicts the source is refused."""
+checkpoint.json). The user then does not repeat shapes; a flag that contradicts the source is refused. Reading a
+Hugging Face directory goes through the conversion's family tables: hf_source.py, apart, so that this module (which
+resume.py and the checkpoint code read) stays free of conversion."""
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
@@ -17,19 +19,6 @@ ARCHITECTURE = ("model_family", "num_layers", "hidden_size", "num_attention_head
                 "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 FLAG = {"untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
         "bert_binary_head": "--bert-no-binary-head"}
-
-
-def from_hf(path: str) -> Dict:
-    """Architecture (and dropout defaults) of the Hugging Face model in `path`."""
-    from megatron_patch.conversion import tables
-    from megatron_patch.conversion.hf_io import read_hf_config
-    from megatron_patch.conversion.mapping import ConversionError
-
-    try:
-        config = read_hf_config(path)
-        return tables.for_model_type(config.get("model_type", "")).engine_args(config)
-    except (ConversionError, OSError, ValueError) as e:
-        raise ConfigError(f"--load-hf {path}: {e}") from None
 
 
 def newest_manifest(path: str) -> Optional[Tuple[int, Dict]]:

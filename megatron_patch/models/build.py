@@ -12,7 +12,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.module import Float16Module
 
-from megatron_patch.config import Config, ConfigError
+from megatron_patch.config.config import Config, ConfigError  # not the package: its parser reaches conversion
 from megatron_patch.parallel import print_rank_0
 
 from .bert import build_bert_model
