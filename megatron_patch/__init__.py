@@ -2,4 +2,4 @@
 
 Submodules: `data` (tokenizers, indexed datasets, preprocessing, GPT/BERT datasets, packing).
 """
-from .version import __version__  # noqa: F401
+__version__ = "0.1.0"

@@ -5,16 +5,17 @@ and checked against two rules:
 
 (a) The layer order of DESIGN.md: a subpackage imports only from its own layer or below.
 
-        layer 0  compat, config, data          (and the root's leaf modules: the compiled `_C`, `version`)
+        layer 0  compat, config, data          (and the compiled `_C`, and the package's own `__init__`: its
+                                               public names resolve on first use, so it imports nothing and any
+                                               layer may read `megatron_patch.__version__`)
         layer 1  models, parallel, accelerations, demo (the demo corpora, once they leave data/)
         layer 2  training
         layer 3  conversion, templates
         layer 4  cli
-        layer 5  the package `megatron_patch` itself (its `__init__`: the public API)
 
     Packages of one layer may import each other as long as no cycle results between them (rule b, on
-    subpackages); today's arrows inside a layer: config -> compat, data -> config, models -> compat,
-    models -> parallel, accelerations -> compat/config, conversion -> models/training, templates -> training.
+    subpackages); today's arrows inside a layer: data -> _C (the packing helpers), models -> parallel
+    (model building logs on rank 0); conversion and templates do not import each other.
 
 (b) No import cycles: neither between modules nor between subpackages. An import's edge goes to the module it
     names (`from pkg import sub` where `sub` is a module goes to `pkg.sub`; `from pkg import name` to `pkg`'s
@@ -38,12 +39,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "megatron_patch"
 PACKAGE = "megatron_patch"
 
 LAYERS: List[Tuple[str, ...]] = [
-    ("compat", "config", "data", "_C", "version"),
+    ("", "compat", "config", "data", "_C"),
     ("models", "parallel", "accelerations", "demo"),  # demo: the demo and test corpora (they read data)
     ("training",),
     ("conversion", "templates"),
     ("cli",),
-    ("",),  # megatron_patch/__init__.py: the public API re-exports from every layer
 ]
 LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 

@@ -35,10 +35,10 @@ class TrainState:
 def _versions() -> Dict[str, str]:
     import megatron.core
 
-    from megatron_patch.version import __version__
+    import megatron_patch
 
     return {"torch": torch.__version__, "megatron_core": getattr(megatron.core, "__version__", "?"),
-            "megatron_patch": __version__}
+            "megatron_patch": getattr(megatron_patch, "__version__", "?")}
 
 
 def _print0(msg: str) -> None:
