@@ -8,7 +8,7 @@ Entry points
 check_versions()             once, where the process starts (megatron_patch.parallel.initialize), before any patch
 apply_cpu_backend()          machines without a GPU only: run megatron-core on the CPU (gloo)
 apply_gpu_fixes()            machines with a GPU (megatron_patch.parallel.initialize)
-apply_megatron_fsdp_fixes()  before the first Megatron-FSDP (ZeRO-2) model is built (training/loop.py)
+apply_megatron_fsdp_fixes()  before the first Megatron-FSDP (ZeRO-2) model is built (models/build.py)
 apply_safe_loading()         before any checkpoint is read (training/checkpoint: the Checkpointer applies it)
 apply_onnx_runtime_fixes()   --onnx-runtime-training only, before ORTModule is imported (accelerations/onnx_runtime.py)
 quiet_known_noise()          where a process starts (quiet.py): known harmless warnings of megatron-core, torch and
