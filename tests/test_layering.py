@@ -1,4 +1,4 @@
-"""The package's layering, read from its source with `ast` (no module is imported; about 1 s).
+"""The package's layering, read from its source with `ast` (no module is imported; a few seconds in all).
 
 Every import of a `megatron_patch` module is read, at module level and inside functions, absolute and relative,
 and checked against two rules:
@@ -32,7 +32,12 @@ from __future__ import annotations
 
 import ast
 import collections
+import json
+import os
 import pathlib
+import subprocess
+import sys
+import textwrap
 from typing import Dict, List, Optional, Set, Tuple
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "megatron_patch"
@@ -248,3 +253,26 @@ def test_the_guard_sees_function_level_relative_imports_and_cycles(tmp_path):
     upward = f"{tmp_path / 'a.py'}:5 -> megatron_patch.training.loop: config (layer 0)"
     assert any(p.startswith(upward) for p in problems)
     assert any(p.startswith("cycle between megatron_patch.config.a, megatron_patch.training.loop") for p in problems)
+
+
+def test_reading_a_checkpoint_manifest_imports_no_torch(tmp_path):
+    """The configuration reads a checkpoint's stored architecture (for --load) without torch or megatron-core:
+    a fresh interpreter writes and publishes a checkpoint directory, reads it back, and has imported neither
+    (about 1 s)."""
+    code = textwrap.dedent(f"""
+        import json, os, sys
+        from megatron_patch.config import checkpoint_layout, model_source
+        root = {str(tmp_path)!r}
+        work = os.path.join(root, "iter_0000003.tmp")
+        os.makedirs(work)
+        checkpoint_layout.write_manifest(work, {{"iteration": 3, "config": {{"num_layers": 2, "hidden_size": 32}}}})
+        checkpoint_layout.publish(work, root, 3)
+        heavy = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "megatron"))
+        print(json.dumps([model_source.from_checkpoint(root), heavy]))
+    """)
+    env = dict(os.environ, PYTHONPATH=str(ROOT.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    architecture, heavy = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert architecture == {"num_layers": 2, "hidden_size": 32}
+    assert heavy == [], f"reading a checkpoint manifest imported {heavy[:5]}"

@@ -11,4 +11,10 @@ PLANTS = [
          replacement="from .globals import get_logger\n",
          property="no import cycle between modules (globals -> rules -> engine_config -> globals)",
          tests=["tests/test_layering.py::test_imports_follow_the_layer_order_without_cycles"]),
+    dict(name="manifest-reading-imports-torch", file="megatron_patch/config/checkpoint_layout.py",
+         original="import json\n",
+         replacement="import json\n\nfrom torch.distributed.checkpoint.api import CheckpointException  # noqa: F401  (DCP's "
+                     "per-rank failures, read by refused_unpickling)\n",
+         property="reading a checkpoint's manifest (the configuration's --load) imports neither torch nor megatron-core",
+         tests=["tests/test_layering.py::test_reading_a_checkpoint_manifest_imports_no_torch"]),
 ]
