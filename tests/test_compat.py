@@ -153,7 +153,7 @@ def test_steps_on_param_device():
 
 
 def test_replace_torch_optimizer_keeps_megatron_group_keys():
-    from megatron_patch.training.lamb import Lamb
+    from megatron_patch.accelerations.lamb import Lamb
 
     inner = _adamw(torch.ones(2))
     inner.param_groups[0].update(wd_mult=0.0, lr_mult=1.0)

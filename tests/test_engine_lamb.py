@@ -1,9 +1,9 @@
-"""megatron_patch.training.lamb.Lamb against a plain, element-by-element reference of its documented formula."""
+"""megatron_patch.accelerations.lamb.Lamb against a plain, element-by-element reference of its documented formula."""
 import math
 
 import torch
 
-from megatron_patch.training.lamb import Lamb
+from megatron_patch.accelerations.lamb import Lamb
 
 
 def reference_lamb_step(p, g, m, v, t, lr, b1, b2, eps, wd):

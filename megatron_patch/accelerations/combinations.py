@@ -25,7 +25,6 @@ PARTITIONING = {
     "fsdp_memory_optimization": (3, "fairscale"),
 }
 ZERO_FLAG = {1: "--zero-1-memory-optimization", 2: "--zero-2-memory-optimization", 3: "--zero-3-memory-optimization"}
-PIP_ORT = "pip install onnxruntime-training-cpu==1.19.2"
 GUIDE_OFFLOAD = ("Untuk mengaktifkan pelatihan beban CPU dan partisi status model secara bersamaan, ZeRO harus "
                  "digunakan")
 
@@ -45,7 +44,7 @@ def partitioning(args: argparse.Namespace) -> Tuple[int, Optional[str]]:
 
 def check_combination(args: argparse.Namespace) -> None:
     """Raise ValueError with a sentence naming the flags and the fix, for impossible combinations."""
-    from .onnx_runtime import ort_available
+    from .onnx_runtime import PIP_ORT, ort_available  # imports torch: only when checking
 
     problems: List[str] = []
     on = [a for a in PARTITIONING if getattr(args, a, False)]

@@ -38,6 +38,9 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
+# The only ONNX Runtime training build for Python 3.12 (its last release; CPU only).
+PIP_ORT = "pip install onnxruntime-training-cpu==1.19.2"
+
 _BUILD = ("from megatron_patch.compat import apply_onnx_runtime_fixes; apply_onnx_runtime_fixes(); "
           "from onnxruntime.training.ortmodule.torch_cpp_extensions import install; "
           "install.build_torch_cpp_extensions()")
@@ -91,8 +94,6 @@ def _ensure_extensions() -> None:
 
 
 def apply_onnx_runtime(model: torch.nn.Module, device: Optional[torch.device] = None) -> Tuple[torch.nn.Module, str]:
-    from .combinations import PIP_ORT
-
     if not ort_available():
         raise RuntimeError(f"--onnx-runtime-training needs ONNX Runtime's training package: `{PIP_ORT}`, or use "
                            f"--torch-compile instead")

@@ -5,7 +5,7 @@ Which implementation steps:
   apex_adam  apex FusedAdam (AdamW mode) when apex imports and the step runs on a GPU over plain tensors;
              else torch AdamW, fused=True on a GPU, foreach on the CPU.
   apex_lamb  apex FusedLAMB under the same conditions (its own global-norm clipping off: Precision.step
-             clips); else megatron_patch.training.lamb.Lamb.
+             clips); else megatron_patch.accelerations.lamb.Lamb.
 apex's kernels take plain CUDA tensors: under FSDP2 (DTensor shards) and for a CPU step (--cpu-offload)
 torch's implementations run. LAMB's trust ratio needs whole-parameter norms: ZeroRedundancyOptimizer
 assigns whole parameters to ranks, and Lamb's `p.norm()` on an FSDP2 DTensor shard is the norm over all
@@ -18,7 +18,7 @@ from typing import Any, Dict, List, Optional, Tuple, Type
 
 import torch
 
-from megatron_patch.training.lamb import Lamb
+from .lamb import Lamb
 
 from .cpu_offload import offloaded
 
@@ -72,7 +72,7 @@ def choose_optimizer(args, step_device: torch.device, sharded: bool,
         fused = _apex("FusedLAMB") if use_apex else None
         if fused is not None:
             return fused, {**kw, "max_grad_norm": 0.0}, "apex FusedLAMB"
-        return Lamb, kw, f"LAMB (megatron_patch.training.lamb; {why_not_apex})"
+        return Lamb, kw, f"LAMB (megatron_patch.accelerations.lamb; {why_not_apex})"
     fused = _apex("FusedAdam") if use_apex else None
     if fused is not None:
         return fused, {**kw, "adam_w_mode": True}, "apex FusedAdam (AdamW mode)"

@@ -5,10 +5,11 @@ from __future__ import annotations
 import sys
 from typing import List, Optional
 
-from .arguments import UsageError, parse_args
+from megatron_patch.config.rapidformer_flags import UsageError, parse_args
+from megatron_patch.templates.rules import check
+
 from .launch import nodes, run_workers, workers_per_node
 from .preflight import check_data, check_model, check_shapes, offline
-from .rules import check
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from .arguments import FINETUNE_TASKS, TASKS, UsageError
+from megatron_patch.config.rapidformer_flags import FINETUNE_TASKS, TASKS, UsageError
 
 OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -104,7 +104,7 @@ def check_shapes(args: argparse.Namespace) -> None:
     config = AutoConfig.from_pretrained(args.pretrained_model_name_or_path if pretraining else args.load)
     config_settings(args, config)  # a ConfigError (a ValueError) when the config has no such setting
     if pretraining:
-        from .flag_use import refuse_unused
+        from megatron_patch.config.flag_use import refuse_unused
         from .tasks.pretraining import model_kind
 
         refuse_unused(args, ("pt",), model_kind(config))

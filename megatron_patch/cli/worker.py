@@ -11,9 +11,10 @@ from megatron_patch.compat.quiet import quiet_known_noise
 from megatron_patch.templates.globals import get_logger, set_args
 from megatron_patch.training.entry import destroy_process_groups
 
-from .arguments import UsageError, parse_args
+from megatron_patch.config.rapidformer_flags import UsageError, parse_args
+from megatron_patch.templates.rules import check
+
 from .preflight import offline
-from .rules import check
 from .status import report_usage_error
 
 
@@ -23,7 +24,7 @@ def _user_errors() -> tuple:
     from megatron_patch.config import ConfigError
     from megatron_patch.data.checks import DataError
     from megatron_patch.data.finetune_data import FinetuneDataError
-    from megatron_patch.training.checkpoint.directory import CheckpointError
+    from megatron_patch.config.checkpoint_layout import CheckpointError
 
     return UsageError, ConfigError, DataError, FinetuneDataError, CheckpointError
 

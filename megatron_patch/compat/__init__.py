@@ -8,7 +8,7 @@ Entry points
 check_versions()             once, where the process starts (megatron_patch.parallel.initialize), before any patch
 apply_cpu_backend()          machines without a GPU only: run megatron-core on the CPU (gloo)
 apply_gpu_fixes()            machines with a GPU (megatron_patch.parallel.initialize)
-apply_megatron_fsdp_fixes()  before the first Megatron-FSDP (ZeRO-2) model is built (training/loop.py)
+apply_megatron_fsdp_fixes()  before the first Megatron-FSDP (ZeRO-2) model is built (models/build.py)
 apply_safe_loading()         before any checkpoint is read (training/checkpoint: the Checkpointer applies it)
 apply_onnx_runtime_fixes()   --onnx-runtime-training only, before ORTModule is imported (accelerations/onnx_runtime.py)
 quiet_known_noise()          where a process starts (quiet.py): known harmless warnings of megatron-core, torch and
@@ -72,7 +72,7 @@ apply_onnx_runtime_fixes() (onnx_runtime.py), order `ONNX_RUNTIME`:
   train with --onnx-runtime-training (onnxruntime-training-cpu 1.19.2 is an optional extra).
 
 Called at their call sites (not applied globally):
-  dynamo.py        tp_group_default_without_warning (--compile: training/compile.py, before compiling)
+  dynamo.py        tp_group_default_without_warning (--compile: models/compile.py, before compiling)
   linear.py        route_linears_through (--gradient-accumulation-fusion: models/wgrad_fusion.py, built chunks)
                    count_linears_without_collective (its log: which linears the fused path takes)
   moe.py           route_experts_through (--moe-grouped-gemm: models/grouped_experts.py, built chunks)

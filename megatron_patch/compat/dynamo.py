@@ -1,6 +1,6 @@
 """megatron-core under torch.compile (`--compile`): code paths dynamo cannot trace.
 
-Applied by megatron_patch/training/compile.py before the layers are compiled."""
+Applied by megatron_patch/models/compile.py before the layers are compiled."""
 from __future__ import annotations
 
 from .registry import original, register, replace

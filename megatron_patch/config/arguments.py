@@ -7,7 +7,7 @@ import dataclasses
 from typing import List, Optional, Union
 
 from .config import Config, ConfigError
-from . import model_source
+from . import hf_source, model_source
 from .presets import FAMILIES, SIZES, preset
 
 _D = Config()  # defaults shown in --help
@@ -227,7 +227,7 @@ def parse_args(argv: Optional[List[str]] = None, model: str = "gpt") -> Config:
             raise ConfigError(str(e)) from None
     values.update(given)
     if given.get("load_hf"):  # the architecture of the Hugging Face model (and its dropout, unless given)
-        model_source.merge(values, given, model_source.from_hf(given["load_hf"]), f"--load-hf {given['load_hf']}/config.json",
+        model_source.merge(values, given, hf_source.from_hf(given["load_hf"]), f"--load-hf {given['load_hf']}/config.json",
                            apply_other=True)
     elif given.get("load"):  # resuming: the architecture stored with the checkpoint
         stored = model_source.from_checkpoint(given["load"])

@@ -4,9 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional, Union
 
-
-class ConfigError(ValueError):
-    """An impossible or contradictory setting; the message names the flags and the fix."""
+from .errors import ConfigError  # noqa: F401  (re-exported: `from megatron_patch.config.config import ConfigError`)
 
 
 @dataclass

@@ -1,11 +1,13 @@
 """Where the model's architecture comes from when it is not given by flags: a Hugging Face directory
 (`--load-hf`: its config.json) or an engine checkpoint (`--load`: the configuration stored in its
-checkpoint.json). The user then does not repeat shapes; a flag that contradicts the source is refused."""
+checkpoint.json). The user then does not repeat shapes; a flag that contradicts the source is refused. Reading a
+Hugging Face directory goes through the conversion's family tables: hf_source.py, apart, so that this module (which
+resume.py and the checkpoint code read) stays free of conversion."""
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple
 
-from .config import ConfigError
+from .errors import ConfigError
 
 # Fields that define the model's parameters (and so must match the weights that will be loaded).
 ARCHITECTURE = ("model_family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
@@ -19,25 +21,12 @@ FLAG = {"untie_embeddings_and_output_weights": "--untie-embeddings-and-output-we
         "bert_binary_head": "--bert-no-binary-head"}
 
 
-def from_hf(path: str) -> Dict:
-    """Architecture (and dropout defaults) of the Hugging Face model in `path`."""
-    from megatron_patch.conversion import tables
-    from megatron_patch.conversion.hf_io import read_hf_config
-    from megatron_patch.conversion.mapping import ConversionError
-
-    try:
-        config = read_hf_config(path)
-        return tables.for_model_type(config.get("model_type", "")).engine_args(config)
-    except (ConversionError, OSError, ValueError) as e:
-        raise ConfigError(f"--load-hf {path}: {e}") from None
-
-
 def newest_manifest(path: str) -> Optional[Tuple[int, Dict]]:
     """(iteration, checkpoint.json) of the checkpoint that loading `path` would resume, or None when there is
     none to read (no directory, no checkpoint, or a damaged one: loading reports that, with the directory named)."""
     import os
 
-    from megatron_patch.training.checkpoint import directory  # torch-free: the on-disk layout only
+    from . import checkpoint_layout as directory  # torch-free: the on-disk layout only
 
     if not os.path.isdir(path):
         return None

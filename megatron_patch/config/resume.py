@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional
 
-from .config import Config, ConfigError
+from .errors import ConfigError
 from .model_source import ARCHITECTURE, FLAG, newest_manifest
+
+if TYPE_CHECKING:  # annotations only: Config.validate() calls these checks
+    from .config import Config
 
 
 def layout(cfg: Config) -> Dict[str, int]:
@@ -197,7 +200,7 @@ def _differences(cfg: Config, manifest: Dict) -> List[str]:
 
 def check_save(cfg: Config) -> Optional[str]:
     """The refusal (one line) of writing into a --save directory that holds another run's checkpoints, or None."""
-    from megatron_patch.training.checkpoint import directory  # torch-free: the on-disk layout only
+    from . import checkpoint_layout as directory  # torch-free: the on-disk layout only
 
     save = cfg.save
     if not save or cfg.skip_train:  # --skip-train only evaluates: it writes no checkpoint

@@ -3,9 +3,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
+from typing import TYPE_CHECKING
 
-from .config import Config, ConfigError
+from .errors import ConfigError
 from .resume import check_resume
+
+if TYPE_CHECKING:  # annotations only: Config.validate() calls these checks
+    from .config import Config
 
 
 def _has_gpu() -> bool:

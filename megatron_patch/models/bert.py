@@ -27,7 +27,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 
 from megatron_patch.compat.post_layernorm import (drop_final_layernorm, norm_before_embedding_dropout,
                                                   post_layernorm_transformer_layer)
-from megatron_patch.config import Config, ConfigError
+from megatron_patch.config.config import Config, ConfigError  # not the package: its parser reaches conversion
 
 from .gpt import build_transformer_config, mask_vocab_padding, padded_vocab_size, resolve_attention_backend
 from .norm import SequenceParallelNorm

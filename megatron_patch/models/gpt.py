@@ -17,7 +17,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from megatron_patch.config import Config
+from megatron_patch.config.config import Config  # the class, not the package (its parser reaches conversion)
 
 from .linear_cross_entropy import linear_cross_entropy
 from .norm import SequenceParallelNorm

@@ -1,5 +1,5 @@
 """Checkpoints of the PreTrainer with a Hugging Face/PyTorch model (`pretrain_hf.py`), with the engine's rules
-(`megatron_patch.training.checkpoint.directory`):
+(`megatron_patch.config.checkpoint_layout`):
 
     {save}/latest_checkpointed_iteration.txt   the tracker: the newest published iteration
     {save}/iter_0000100/dcp/                   model and optimizer, torch.distributed.checkpoint, keyed by
@@ -35,8 +35,8 @@ import torch
 import torch.distributed as dist
 
 from megatron_patch.config.resume import HF_FORMAT
-from megatron_patch.training.checkpoint import directory
-from megatron_patch.training.checkpoint.directory import CheckpointError, checkpoint_dir
+from megatron_patch.config import checkpoint_layout as directory
+from megatron_patch.config.checkpoint_layout import CheckpointError, checkpoint_dir
 
 FORMAT = HF_FORMAT
 LEGACY_TRACKER = "latest_iteration.txt"  # the tracker before this layout: rank files pickled numpy RNG state

@@ -8,7 +8,7 @@ Hooks (the how-to's white-box section):
   the document.
 `train()` applies the acceleration switches, runs the epochs (or --train-iters steps) with gradient
 accumulation, evaluates after every epoch (and every --eval-interval steps when that flag is given), reports,
-and saves with `save_pretrained` to --save. Flags a fine-tuning run does not use are refused (cli/flag_use.py).
+and saves with `save_pretrained` to --save. Flags a fine-tuning run does not use are refused (config/flag_use.py).
 """
 from __future__ import annotations
 
@@ -113,8 +113,8 @@ class Finetuner:
         --save. Returns the last validation metrics."""
         from megatron_patch.accelerations import mark_step, uses_cuda_graphs
 
-        from megatron_patch.cli.arguments import given_flags
-        from megatron_patch.cli.flag_use import refuse_unused
+        from megatron_patch.config.rapidformer_flags import given_flags
+        from megatron_patch.config.flag_use import refuse_unused
         from megatron_patch.config import ConfigError
 
         args, log = self.args, get_logger()

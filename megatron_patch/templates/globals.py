@@ -7,11 +7,12 @@ command line the first time they are asked for.
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 import time
 from typing import Dict, List, Optional
+
+from .logger import get_logger, rank  # noqa: F401  (re-exported: the samples import them from here)
 
 _ARGS: Optional[argparse.Namespace] = None
 _TIMERS: Optional["Timers"] = None
@@ -26,34 +27,13 @@ def get_args() -> argparse.Namespace:
     """The parsed `rapidformer` flags (parsed from sys.argv on first use outside a `rapidformer` run)."""
     global _ARGS
     if _ARGS is None:
-        from megatron_patch.cli.arguments import parse_args
-        from megatron_patch.cli.rules import check
+        from megatron_patch.config.rapidformer_flags import parse_args
+
+        from .rules import check
 
         _ARGS = parse_args(sys.argv[1:])
         check(_ARGS, world_size=int(os.environ.get("WORLD_SIZE", "1")))
     return _ARGS
-
-
-def rank() -> int:
-    return int(os.environ.get("RANK", "0"))
-
-
-class _RankFilter(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return rank() == 0 or record.levelno >= logging.WARNING
-
-
-def get_logger() -> logging.Logger:
-    """The `rapidformer` logger: INFO on rank 0, warnings and errors on every rank."""
-    logger = logging.getLogger("rapidformer")
-    if not logger.handlers:
-        h = logging.StreamHandler(sys.stdout)
-        h.setFormatter(logging.Formatter("[%(asctime)s] %(message)s", "%H:%M:%S"))
-        h.addFilter(_RankFilter())
-        logger.addHandler(h)
-        logger.setLevel(logging.INFO)
-        logger.propagate = False
-    return logger
 
 
 class _Timer:

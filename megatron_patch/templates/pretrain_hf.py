@@ -17,7 +17,7 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
-from megatron_patch.training.checkpoint.directory import TRACKER, CheckpointError
+from megatron_patch.config.checkpoint_layout import TRACKER, CheckpointError
 
 from .checkpoint_hf import find_checkpoint, load_checkpoint, save_checkpoint
 from .globals import get_logger

@@ -46,8 +46,9 @@ class PreTrainer:
     # ---- the loop --------------------------------------------------------------------------------------------
     def train(self) -> List[dict]:
         """Pretrain for --train-iters iterations; returns one dict of metrics per iteration."""
-        from megatron_patch.cli.flag_use import refuse_unused
         from megatron_patch.config import ConfigError
+        from megatron_patch.config.flag_use import refuse_unused
+        from megatron_patch.models.run_context import model_run
         from megatron_patch.parallel import initialize
         from megatron_patch.training.data import sample_counts
 
@@ -72,7 +73,8 @@ class PreTrainer:
         if train_ds is None:
             raise ValueError("train_valid_test_datasets_provider() returned no training dataset: check --split "
                              f"{args.split} and --data-path {args.data_path}")
-        model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
+        with model_run(pretrain_megatron.build_stage_model):  # what GPTModel() in the user's hook builds
+            model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
         if pretrain_megatron.is_megatron_model(model):
             cfg = pretrain_megatron.current_config()  # what GPTModel() built from
             if optimizer is not None or scheduler is not None:

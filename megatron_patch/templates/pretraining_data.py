@@ -60,7 +60,7 @@ def get_tokenizer():
     if absent:
         flags = ", ".join("--" + f.replace("_", "-") for f in absent)
         raise ValueError(f"get_tokenizer(): the run's arguments have no {flags} flag at all; they must come from "
-                         "the rapidformer parser (megatron_patch.cli.arguments), or pass tokenizer= explicitly")
+                         "the rapidformer parser (megatron_patch.config.rapidformer_flags), or pass tokenizer= explicitly")
     tokenizer_type, vocab_file, merge_file = (getattr(args, f) for f in _TOKENIZER_FLAGS)
     if not tokenizer_type:
         raise ValueError("get_tokenizer() needs --tokenizer-type (BertWordPieceLowerCase, BertWordPieceCase or "

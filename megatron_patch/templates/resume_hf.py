@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Sequence
 
 from megatron_patch.config import Config, ConfigError
 from megatron_patch.config.resume import HF, HF_FORMAT, check_schedule, check_scheduler_flags, scheduler_settings
-from megatron_patch.training.checkpoint.directory import checkpoint_dir, read_manifest
+from megatron_patch.config.checkpoint_layout import checkpoint_dir, read_manifest
 
 from .schedule import Schedule
 

@@ -15,19 +15,15 @@ from typing import Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
-from megatron.core.transformer.module import Float16Module
 
-from megatron_patch.config import Config, ConfigError
-from megatron_patch.models import build_bert_model, build_gpt_model, padded_vocab_size
-from megatron_patch.models.init import layout_invariant_init
-from megatron_patch.models.grouped_experts import apply_grouped_experts
-from megatron_patch.models.wgrad_fusion import apply_gradient_accumulation_fusion
+from megatron_patch.config import Config
+from megatron_patch.models import build
+from megatron_patch.models.build import model_vocab_size, wrap_model  # noqa: F401  (re-exported)
 from megatron_patch.parallel import initialize, print_rank_0
 
 from .checkpoint import Checkpointer, TrainState
-from .compile import apply_compile
 from .data import build_datasets, build_iterator, tokenizer_from_config
 from .evaluation import Validator
 from .memory import model_state_bytes
@@ -42,108 +38,36 @@ class TrainingDiverged(RuntimeError):
     """Raised when the loss becomes NaN/Inf (with --exit-on-nan, the default)."""
 
 
-def model_vocab_size(cfg: Config, tokenizer) -> int:
-    """Rows of the embedding before padding: --load-hf's config.json vocab_size, else the tokenizer's."""
-    if cfg.model_vocab_size is None:
-        return tokenizer.vocab_size
-    if tokenizer.vocab_size > cfg.model_vocab_size:
-        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {cfg.model_vocab_size} "
-                          f"(vocab_size of --load-hf's config.json or of the checkpoint): use the model's tokenizer")
-    return cfg.model_vocab_size
-
-
 def model_info(cfg: Config, vocab: int) -> Dict:
-    """What a checkpoint records about the model besides its configuration (conversion reads it)."""
-    info = {"vocab_size": vocab, "padded_vocab_size": padded_vocab_size(vocab, cfg)}
+    """What a checkpoint records about the model besides its configuration (conversion reads it); with --load-hf,
+    the Hugging Face model's config.json too."""
+    hf_config = None
     if cfg.load_hf:
         from megatron_patch.conversion.hf_io import read_hf_config
 
-        info["hf_config"] = read_hf_config(cfg.load_hf)
-    return info
+        hf_config = read_hf_config(cfg.load_hf)
+    return build.model_info(cfg, vocab, hf_config)
 
 
-def build_model_chunk(cfg: Config, vocab_size: int, pre_process: bool, post_process: bool, vp_stage=None):
-    """One bare model chunk of the family: BERT (--model-family bert) or GPT (every other family)."""
-    if cfg.model_family == "bert":
-        return build_bert_model(cfg, vocab_size, pre_process, post_process, vp_stage, add_binary_head=cfg.bert_binary_head)
-    return build_gpt_model(cfg, vocab_size, pre_process, post_process, vp_stage)
+def _load_hf(cfg: Config, chunks: List[torch.nn.Module]) -> None:
+    """--load-hf: the Hugging Face weights into the bare chunks, through conversion's table of the family."""
+    from megatron_patch.conversion.load_hf import describe_load, load_hf_weights
+
+    loaded = load_hf_weights(chunks, cfg, cfg.load_hf)
+    for line in describe_load(loaded, f"--load-hf {cfg.load_hf}"):
+        print_rank_0(line)
 
 
 def build_model_chunks(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
-    """This rank's bare model chunks (GPTModel, or BertModel for --model-family bert; one per virtual pipeline
-    stage), initialised (or loaded from --load-hf) and, with --compile, compiled."""
-    vpp = cfg.virtual_pipeline_model_parallel_size
-    chunks = []
-    for vp in range(vpp or 1):
-        stage = vp if vpp else None
-        chunk = build_model_chunk(
-            cfg, vocab_size,
-            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            vp_stage=stage,
-        )
-        if cfg.init_layout_invariant and not cfg.load_hf:
-            layout_invariant_init(chunk, cfg.seed, cfg.init_method_std, cfg.swiglu)
-        chunks.append(chunk)
-    if cfg.load_hf:  # before the wrappers: fp16/bf16 copies, DDP buffers and FSDP shards start from these weights
-        from megatron_patch.conversion.load_hf import describe_load, load_hf_weights
-
-        loaded = load_hf_weights(chunks, cfg, cfg.load_hf)
-        for line in describe_load(loaded, f"--load-hf {cfg.load_hf}"):
-            print_rank_0(line)
-    if cfg.moe_grouped_gemm:
-        print_rank_0(apply_grouped_experts(chunks))
-    if cfg.gradient_accumulation_fusion:
-        print_rank_0(apply_gradient_accumulation_fusion(chunks))
-    if cfg.compile:
-        print_rank_0(apply_compile(chunks, cfg.compile_mode))
-    return chunks
-
-
-def wrap_model(cfg: Config, chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
-    """Model chunks wrapped for mixed precision (Float16Module) and megatron-core DDP (ZeRO-1: its
-    distributed optimizer) or Megatron-FSDP (ZeRO-2)."""
-    tconfig = chunks[0].config
-    if cfg.bf16 or cfg.fp16:
-        chunks = [Float16Module(tconfig, c) for c in chunks]
-    if cfg.zero_2_memory_optimization:
-        return [_wrap_megatron_fsdp(cfg, tconfig, c) for c in chunks]
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=not cfg.grad_reduce_in_bf16, overlap_grad_reduce=False,
-        use_distributed_optimizer=cfg.zero_1_memory_optimization,
-        check_for_nan_in_grad=False, bucket_size=None,
-    )
-    return [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
-            for i, c in enumerate(chunks)]
+    """models.build.build_model_chunks, with --load-hf's weights loaded before the model switches apply."""
+    return build.build_model_chunks(cfg, vocab_size, load_weights=partial(_load_hf, cfg) if cfg.load_hf else None)
 
 
 def build_model(cfg: Config, vocab_size: int, for_training: bool = True) -> List[torch.nn.Module]:
-    """Model chunks of this rank, wrapped for mixed precision and megatron-core DDP; with
-    `for_training=False` the bare GPTModel chunks (no gradient buffers: checkpoint conversion)."""
+    """Model chunks of this rank (--load-hf's weights loaded), wrapped for mixed precision and megatron-core DDP;
+    with `for_training=False` the bare GPTModel chunks (no gradient buffers: checkpoint conversion)."""
     chunks = build_model_chunks(cfg, vocab_size)
     return wrap_model(cfg, chunks) if for_training else chunks
-
-
-# Megatron-FSDP communicates in units of about this many elements; without an explicit size it keeps
-# full-size gradient buckets alive, which would undo ZeRO-2's saving.
-FSDP_UNIT_ELEMENTS = 40_000_000
-
-
-def _wrap_megatron_fsdp(cfg: Config, tconfig, chunk):
-    """ZeRO-2: megatron-core's Megatron-FSDP with gradients and optimizer state sharded over DP."""
-    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
-
-    from megatron_patch.compat import apply_megatron_fsdp_fixes
-
-    apply_megatron_fsdp_fixes()
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=True, use_megatron_fsdp=True,
-        data_parallel_sharding_strategy="optim_grads", overlap_grad_reduce=True, overlap_param_gather=False,
-        check_for_nan_in_grad=False, bucket_size=FSDP_UNIT_ELEMENTS, suggested_communication_unit_size=FSDP_UNIT_ELEMENTS,
-        megatron_fsdp_main_grads_dtype=torch.float32,
-        gradient_reduce_div_fusion=torch.cuda.is_available(),  # gloo has no PREMUL_SUM
-    )
-    return FullyShardedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk, device=_device())
 
 
 def _device() -> torch.device:

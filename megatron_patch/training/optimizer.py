@@ -12,7 +12,7 @@ from megatron_patch.compat.optimizer import replace_torch_optimizer, use_fused_a
 from megatron_patch.config import Config
 from megatron_patch.config.resume import scheduler_settings
 
-from .lamb import Lamb
+from megatron_patch.accelerations.lamb import Lamb
 
 
 def _apex_lamb():

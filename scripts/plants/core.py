@@ -26,7 +26,7 @@ PLANTS = [
          replacement="state.consumed_valid_samples += self.cfg.eval_iters * self.cfg.micro_batch_size",
          property="evaluations walk on through the validation set, across resumes",
          tests=["tests/test_engine_checkpoint.py::test_resume_with_dropout_is_exact"]),
-    dict(name="truncated-shard-accepted", file="megatron_patch/training/checkpoint/directory.py",
+    dict(name="truncated-shard-accepted", file="megatron_patch/config/checkpoint_layout.py",
          original="if os.path.getsize(full) != size:",
          replacement="if os.path.getsize(full) > size:",
          property="a checkpoint with a truncated file is not loaded (the newest complete one is)",

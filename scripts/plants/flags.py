@@ -3,24 +3,24 @@ refused"): each breaks one property; the listed default-lane tests must fail."""
 FLAGS = "tests/test_rapidformer_flags.py"
 
 PLANTS = [
-    dict(name="blackbox-ft-taken-for-a-script", file="megatron_patch/cli/flag_use.py",
+    dict(name="blackbox-ft-taken-for-a-script", file="megatron_patch/config/flag_use.py",
          original='            return ("ft",)\n',
          replacement='            return ("finetuner",)\n',
          property="black-box fine-tuning refuses the pretraining data flags it ignores (--split, --data-impl ...); "
                   "only a white-box script's hooks may read them",
          tests=[f"{FLAGS} -k black_box_fine_tuning_refuses"]),
-    dict(name="mask-prob-every-task", file="megatron_patch/cli/flag_use.py",
+    dict(name="mask-prob-every-task", file="megatron_patch/config/flag_use.py",
          original='    if args.task == "masked_lm":\n',
          replacement='    if args.task in FINETUNE_TASKS:\n',
          property="--mask-prob acts in --task masked_lm only; other fine-tuning tasks refuse it",
          tests=[f"{FLAGS} -k black_box_fine_tuning_refuses"]),
-    dict(name="refused-if-any-kind-ignores", file="megatron_patch/cli/flag_use.py",
+    dict(name="refused-if-any-kind-ignores", file="megatron_patch/config/flag_use.py",
          original="        if all(_unused_in(cells[k], have, model_kind is not None) for k in kinds):\n",
          replacement="        if any(_unused_in(cells[k], have, model_kind is not None) for k in kinds):\n",
          property="a --user-script (Finetuner or PreTrainer, unknown before it runs) is refused only the flags no "
                   "template reads: the seeds' Megatron command (--tensor-model-parallel-size 2) passes",
          tests=[f"{FLAGS} -k seed_commands", f"{FLAGS}::test_scripts_are_refused_only_what_no_template_reads"]),
-    dict(name="given-by-value", file="megatron_patch/cli/arguments.py",
+    dict(name="given-by-value", file="megatron_patch/config/rapidformer_flags.py",
          original="    args.given = _given(argv, vars(args))\n",
          replacement="    args.given = given_flags(argparse.Namespace(**vars(args)))  # differs from its default\n",
          property="a flag given with its default value (--split 969,30,1) counts as given, so it is refused where "

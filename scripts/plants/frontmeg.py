@@ -38,7 +38,7 @@ PLANTS = [
                      "cfg.expert_model_parallel_size > 1:",
          property="expert linear_fc2 bias gradients summed over TP on top of expert-DP at EP 1 (TP x too large)",
          tests=[f"{T}::test_moe_with_linear_biases_trains_like_the_single_process_at_tp2"]),
-    dict(name="rapidformer-moe-tp-splits-experts", file="megatron_patch/templates/pretrain_megatron.py",
+    dict(name="rapidformer-moe-tp-splits-experts", file="megatron_patch/templates/engine_config.py",
          original="values.setdefault(\"expert_tensor_parallel_size\", 1)",
          replacement="values.setdefault(\"expert_tensor_parallel_size\", tp)",
          property="rapidformer MoE with TP2 keeps the experts split (ETP = TP): megatron-core's expert biases "
@@ -51,7 +51,7 @@ PLANTS = [
          property="--cpu-offload on a machine without a GPU: 'add ZeRO' without the flag, 'drop the flag' with it",
          tests=[f"{T}::test_cpu_offload_answer_does_not_depend_on_the_zero_flag",
                 f"{T}::test_worker_configuration_error_is_one_line_and_exit_2", "tests/test_config.py -k rejections"]),
-    dict(name="ort-on-megatron-not-checked", file="megatron_patch/templates/pretrain_megatron.py",
+    dict(name="ort-on-megatron-not-checked", file="megatron_patch/templates/engine_config.py",
          original="        if getattr(args, \"onnx_runtime_training\", False):",
          replacement="        if getattr(args, \"onnx_runtime\", False):",
          property="--onnx-runtime-training with a Megatron model is silently ignored instead of refused in words",
@@ -68,7 +68,7 @@ PLANTS = [
          property="messages meant for rank 0 only (LOAD REPORT, CUDA_DEVICE_MAX_CONNECTIONS) shown by the other "
                   "ranks and hidden on rank 0",
          tests=[f"{T}::test_transformers_load_report_is_printed_by_rank_0_only"]),
-    dict(name="blackbox-pretraining-not-checked-up-front", file="megatron_patch/cli/rules.py",
+    dict(name="blackbox-pretraining-not-checked-up-front", file="megatron_patch/templates/rules.py",
          original="    if args.task != \"pretraining\" or args.user_script:\n        return",
          replacement="    if args.task != \"pretraining\" or not args.user_script:\n        return",
          property="--task pretraining's settings (and --num-experts) are no longer refused before workers start",

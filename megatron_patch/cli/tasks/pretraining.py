@@ -8,7 +8,7 @@ learns next-token prediction on document data (the `_text_document` prefix). The
 config, and training starts from its weights, or they differ, and a model of the flags' shape starts from new
 weights; the log says which. --hidden-dropout, --attention-dropout and --init-method-std go into the model's config;
 a causal LM takes --eod-mask-loss and --reset-position-ids as Megatron-LM does (a BERT-style model refuses them, as
-a causal LM refuses --mask-prob: cli/flag_use.py). The trained model is written with `save_pretrained` to --save.
+a causal LM refuses --mask-prob: config/flag_use.py). The trained model is written with `save_pretrained` to --save.
 """
 from __future__ import annotations
 
@@ -17,8 +17,8 @@ from typing import Dict, Tuple
 
 import torch
 
-from megatron_patch.cli.arguments import UsageError
-from megatron_patch.cli.flag_use import refuse_unused
+from megatron_patch.config.rapidformer_flags import UsageError
+from megatron_patch.config.flag_use import refuse_unused
 from megatron_patch.templates.globals import get_logger
 from megatron_patch.templates.pretrainer import PreTrainer
 from megatron_patch.templates.shape_flags import config_settings, mismatches

@@ -1,9 +1,9 @@
 """Checkpoints: the `Checkpointer` component, its on-disk layout, RNG capture, and one backend per format.
 
-`directory` (the layout, reading manifests, choosing the checkpoint to load) needs neither torch nor
-megatron-core, so the configuration layer can read a checkpoint's stored settings before any of them
-is imported; the rest is imported on first use."""
-from .directory import CheckpointError, checkpoint_dir, read_manifest, read_tracker
+The layout (reading manifests, choosing the checkpoint to load) lives in `megatron_patch.config.checkpoint_layout`:
+it needs neither torch nor megatron-core, so the configuration layer reads a checkpoint's stored settings before
+any of them is imported; the rest is imported on first use."""
+from megatron_patch.config.checkpoint_layout import CheckpointError, checkpoint_dir, read_manifest, read_tracker
 
 __all__ = ["Checkpointer", "TrainState", "CheckpointError", "checkpoint_dir", "layout", "read_manifest", "read_tracker"]
 

@@ -15,10 +15,11 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_patch.compat import apply_safe_loading, safe_loading
 from megatron_patch.compat.optimizer import set_param_group_lr_range
 from megatron_patch.config import Config
+from megatron_patch.config import checkpoint_layout as directory
+from megatron_patch.config.checkpoint_layout import CheckpointError, checkpoint_dir
 from megatron_patch.config.resume import check_schedule, layout, restores
 
-from . import directory, fsdp_dtensor, torch_dist
-from .directory import CheckpointError, checkpoint_dir
+from . import fsdp_dtensor, torch_dist
 
 BACKENDS = {torch_dist.FORMAT: torch_dist, fsdp_dtensor.FORMAT: fsdp_dtensor}
 

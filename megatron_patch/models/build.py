@@ -1,0 +1,120 @@
+"""Model building for the engine: this rank's bare model chunks (GPTModel, or BertModel for --model-family bert; one
+per virtual pipeline stage), initialised, with the model switches applied (grouped experts, gradient-accumulation
+fusion, --compile), and their wrappers for training (Float16Module; megatron-core DDP, whose distributed optimizer
+is ZeRO-1, or Megatron-FSDP for ZeRO-2). Weights from elsewhere (--load-hf) are loaded by the caller's
+`load_weights`, after initialisation and before the switches: the training loop passes conversion's loader."""
+from __future__ import annotations
+
+from typing import Callable, Dict, List, Optional
+
+import torch
+from megatron.core import parallel_state as mpu
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer.module import Float16Module
+
+from megatron_patch.config.config import Config, ConfigError  # not the package: its parser reaches conversion
+from megatron_patch.parallel import print_rank_0
+
+from .bert import build_bert_model
+from .compile import apply_compile
+from .gpt import build_gpt_model, padded_vocab_size
+from .grouped_experts import apply_grouped_experts
+from .init import layout_invariant_init
+from .wgrad_fusion import apply_gradient_accumulation_fusion
+
+
+def model_vocab_size(cfg: Config, tokenizer) -> int:
+    """Rows of the embedding before padding: --load-hf's config.json vocab_size, else the tokenizer's."""
+    if cfg.model_vocab_size is None:
+        return tokenizer.vocab_size
+    if tokenizer.vocab_size > cfg.model_vocab_size:
+        raise ConfigError(f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {cfg.model_vocab_size} "
+                          f"(vocab_size of --load-hf's config.json or of the checkpoint): use the model's tokenizer")
+    return cfg.model_vocab_size
+
+
+def model_info(cfg: Config, vocab: int, hf_config: Optional[Dict] = None) -> Dict:
+    """What a checkpoint records about the model besides its configuration (conversion reads it): the vocabulary
+    before and after padding, and the Hugging Face config.json the model was loaded from (--load-hf), if any."""
+    info = {"vocab_size": vocab, "padded_vocab_size": padded_vocab_size(vocab, cfg)}
+    if hf_config is not None:
+        info["hf_config"] = hf_config
+    return info
+
+
+def build_model_chunk(cfg: Config, vocab_size: int, pre_process: bool, post_process: bool, vp_stage=None):
+    """One bare model chunk of the family: BERT (--model-family bert) or GPT (every other family)."""
+    if cfg.model_family == "bert":
+        return build_bert_model(cfg, vocab_size, pre_process, post_process, vp_stage, add_binary_head=cfg.bert_binary_head)
+    return build_gpt_model(cfg, vocab_size, pre_process, post_process, vp_stage)
+
+
+def build_model_chunks(cfg: Config, vocab_size: int,
+                       load_weights: Optional[Callable[[List[torch.nn.Module]], None]] = None) -> List[torch.nn.Module]:
+    """This rank's bare model chunks (GPTModel, or BertModel for --model-family bert; one per virtual pipeline
+    stage), initialised (or loaded by `load_weights`, e.g. from --load-hf) and, with --compile, compiled."""
+    vpp = cfg.virtual_pipeline_model_parallel_size
+    chunks = []
+    for vp in range(vpp or 1):
+        stage = vp if vpp else None
+        chunk = build_model_chunk(
+            cfg, vocab_size,
+            pre_process=mpu.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=mpu.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+        )
+        if cfg.init_layout_invariant and not cfg.load_hf:
+            layout_invariant_init(chunk, cfg.seed, cfg.init_method_std, cfg.swiglu)
+        chunks.append(chunk)
+    if load_weights is not None:  # before the wrappers: fp16/bf16 copies, DDP buffers and FSDP shards start from these
+        load_weights(chunks)
+    if cfg.moe_grouped_gemm:
+        print_rank_0(apply_grouped_experts(chunks))
+    if cfg.gradient_accumulation_fusion:
+        print_rank_0(apply_gradient_accumulation_fusion(chunks))
+    if cfg.compile:
+        print_rank_0(apply_compile(chunks, cfg.compile_mode))
+    return chunks
+
+
+def wrap_model(cfg: Config, chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:
+    """Model chunks wrapped for mixed precision (Float16Module) and megatron-core DDP (ZeRO-1: its
+    distributed optimizer) or Megatron-FSDP (ZeRO-2)."""
+    tconfig = chunks[0].config
+    if cfg.bf16 or cfg.fp16:
+        chunks = [Float16Module(tconfig, c) for c in chunks]
+    if cfg.zero_2_memory_optimization:
+        return [_wrap_megatron_fsdp(cfg, tconfig, c) for c in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=not cfg.grad_reduce_in_bf16, overlap_grad_reduce=False,
+        use_distributed_optimizer=cfg.zero_1_memory_optimization,
+        check_for_nan_in_grad=False, bucket_size=None,
+    )
+    return [DistributedDataParallel(config=tconfig, ddp_config=ddp_config, module=c, disable_bucketing=i > 0)
+            for i, c in enumerate(chunks)]
+
+
+# Megatron-FSDP communicates in units of about this many elements; without an explicit size it keeps
+# full-size gradient buckets alive, which would undo ZeRO-2's saving.
+FSDP_UNIT_ELEMENTS = 40_000_000
+
+
+def _wrap_megatron_fsdp(cfg: Config, tconfig, chunk):
+    """ZeRO-2: megatron-core's Megatron-FSDP with gradients and optimizer state sharded over DP."""
+    from megatron.core.distributed.fsdp.mcore_fsdp_adapter import FullyShardedDataParallel
+
+    from megatron_patch.compat import apply_megatron_fsdp_fixes
+
+    apply_megatron_fsdp_fixes()
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=True, use_megatron_fsdp=True,
+        data_parallel_sharding_strategy="optim_grads", overlap_grad_reduce=True, overlap_param_gather=False,
+        check_for_nan_in_grad=False, bucket_size=FSDP_UNIT_ELEMENTS, suggested_communication_unit_size=FSDP_UNIT_ELEMENTS,
+        megatron_fsdp_main_grads_dtype=torch.float32,
+        gradient_reduce_div_fusion=torch.cuda.is_available(),  # gloo has no PREMUL_SUM
+    )
+    return FullyShardedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk, device=_device())
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

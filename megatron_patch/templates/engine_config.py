@@ -1,0 +1,78 @@
+"""`engine_config(args)`: the engine's Config for the `rapidformer` flags of a PreTrainer run with a Megatron model
+(the flags the engine takes by their own name, the few renamed ones, and the refusals of switches a Megatron model
+cannot use)."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+from megatron_patch.config import Config, ConfigError
+
+from .logger import get_logger
+
+# rapidformer flags whose engine name differs; every other Config field is taken by its own name
+_RENAMED = {"torch_compile": "compile", "torch_compile_mode": "compile_mode"}
+# Hugging Face-only sharding switches: the Megatron engine shards with ZeRO-1/2 (its distributed optimizer,
+# Megatron-FSDP)
+_HF_ONLY = ("oss_memory_optimization", "oss_sdp_memory_optimization", "fsdp_memory_optimization")
+
+
+def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Config:
+    """The engine's Config for the `rapidformer` flags (not yet validated). `accelerations=False` leaves out the
+    switches (ZeRO, precision, recompute, offload, compile): enough to start process groups before the model
+    says whether it is a Megatron model."""
+    names = {f.name for f in dataclasses.fields(Config)}
+    switches = {"zero_1_memory_optimization", "zero_2_memory_optimization", "zero_3_memory_optimization", "bf16",
+                "fp16", "mixed_precision", "checkpoint_activations", "cpu_offload", "compile",
+                "compile_mode"}
+    values = {}
+    for key, value in vars(args).items():
+        key = _RENAMED.get(key, key)
+        if key in names and value is not None and (accelerations or key not in switches):
+            values[key] = value
+    if isinstance(values.get("data_path"), str):
+        values["data_path"] = values["data_path"].split()
+    values["lr_warmup_iters"] = values.get("lr_warmup_iters") or 0
+    values["data_iterator"] = "fixed-shape"  # checked below for a Megatron model; the HF path has its own
+    # Hugging Face templates default --load to the model directory; the engine does not
+    if values.get("load") and values["load"] == getattr(args, "pretrained_model_name_or_path", None):
+        values.pop("load")
+    moe_tp = _moe_tensor_parallel(values)
+    cfg = Config(**values)
+    if accelerations:
+        if getattr(args, "onnx_runtime_training", False):
+            raise ConfigError("--onnx-runtime-training: ONNX Runtime's ORTModule trains Hugging Face/PyTorch models "
+                              "(one exported graph per model); a megatron-core model trains with the engine's own "
+                              "tensor/pipeline-parallel schedules, which ORTModule cannot export: drop the flag, or "
+                              "use --torch-compile, the engine's graph optimizer")
+        if moe_tp:
+            get_logger().info(moe_tp)
+        used = [f"--{n.replace('_', '-')}" for n in _HF_ONLY if getattr(args, n, False)]
+        if used:
+            raise ConfigError(f"{', '.join(used)}: a Hugging Face acceleration; a Megatron model is sharded with "
+                              "--zero-1-memory-optimization (distributed optimizer) or --zero-2-memory-optimization "
+                              "(Megatron-FSDP): use one of those")
+        if getattr(args, "data_iterator", None) == "dynamic-shape":
+            raise ConfigError("--data-iterator dynamic-shape: a Megatron model's pipeline sends activations of a fixed "
+                              "--seq-length between stages, and GPT samples are packed to it with no padding to cut; "
+                              "drop the flag (it applies to Hugging Face models on padded BERT-style samples)")
+        if cfg.mixed_precision and cfg.zero_2_memory_optimization:
+            # megatron-core's fp16 loss scaling does not run under Megatron-FSDP: bf16 needs none
+            cfg.mixed_precision, cfg.bf16 = False, True
+            get_logger().info("--mixed-precision with --zero-2-memory-optimization runs in bf16: Megatron-FSDP has no "
+                              "fp16 loss scaling, and bf16 needs none")
+    return cfg
+
+
+def _moe_tensor_parallel(values: dict) -> str:
+    """`rapidformer` has no --sequence-parallel or --expert-tensor-parallel-size: MoE with tensor parallelism
+    gets what megatron-core needs (sequence parallelism; whole experts per rank for their biases). Returns the
+    log line ('' when nothing was chosen)."""
+    tp = values.get("tensor_model_parallel_size", 1)
+    if not values.get("num_experts") or tp < 2:
+        return ""
+    values["sequence_parallel"] = True
+    values.setdefault("expert_tensor_parallel_size", 1)
+    return (f"--num-experts with --tensor-model-parallel-size {tp}: sequence parallelism on (megatron-core's MoE "
+            "layers train tensor parallel only with it) and each expert whole on one rank (expert tensor-parallel "
+            "size 1: megatron-core supports expert biases only there)")

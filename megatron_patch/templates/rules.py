@@ -1,0 +1,175 @@
+"""The front end's own rules (the parameter guide's notes), checked before any worker starts.
+
+`check(args, world_size)` raises UsageError for a command that cannot run, in a sentence naming the flags
+and the fix (a flag the run would ignore included: `flag_use`), and fills in the defaults of flags the guide
+marks required but the how-to's own commands leave out, each named in `args.notes` (printed once, as a log
+line each).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+
+from megatron_patch.config.rapidformer_flags import FINETUNE_TASKS, UsageError
+from megatron_patch.config.flag_use import refuse_unused, run_kinds
+
+DEFAULT_EPOCHS = 3
+DEFAULT_LR = 5e-5
+DEFAULT_MICRO_BATCH = 8
+DEFAULT_GRAPH_PAD = 64  # tokens: lengths 1-512 give at most 8 batch shapes, so 8 CUDA graphs
+
+
+def _note(args: argparse.Namespace, text: str) -> None:
+    args.notes.append(text)
+
+
+def _check_launch(args: argparse.Namespace) -> None:
+    if not args.task and not args.user_script:
+        raise UsageError("give --task (one of sequence_classification, token_classification, question_answering, "
+                         "masked_lm, causal_lm, seq2seq_lm) for black-box fine-tuning, --task pretraining for "
+                         "black-box pretraining, or --user-script FILE for your own Finetuner or PreTrainer")
+    if args.user_script and not os.path.isfile(args.user_script):
+        raise UsageError(f"--user-script {args.user_script}: no such file")
+    if args.task == "pretraining" and not args.user_script:
+        missing = [f for f, v in (("--pretrained-model-name-or-path", args.pretrained_model_name_or_path),
+                                  ("--data-path", args.data_path), ("--tokenizer-type", args.tokenizer_type),
+                                  ("--vocab-file", args.vocab_file), ("--train-iters", args.train_iters)) if not v]
+        if missing:
+            raise UsageError(f"--task pretraining needs {', '.join(missing)}: a local Hugging Face model directory "
+                             "(its config gives the architecture), a Megatron mmap corpus made by "
+                             "tools/preprocess_data.py (BERT: --split-sentences, the _text_sentence prefix; GPT: the "
+                             "_text_document prefix), its tokenizer and the number of iterations")
+
+
+def _check_parallelism(args: argparse.Namespace) -> None:
+    # a --user-script without --task may be a PreTrainer: its template refuses what does not apply
+    finetuning = args.task in FINETUNE_TASKS
+    if not finetuning:
+        return
+    for flag, value in (("--tensor-model-parallel-size", args.tensor_model_parallel_size),
+                        ("--pipeline-model-parallel-size", args.pipeline_model_parallel_size)):
+        if value != 1:
+            raise UsageError(f"{flag} {value}: tensor and pipeline parallelism apply to Megatron models in "
+                             "pretraining (the PreTrainer template); fine-tuning a Hugging Face model is data "
+                             f"parallel. Drop {flag}, or shard the model with --zero-3-memory-optimization")
+    if args.data_iterator == "dynamic-shape":
+        raise UsageError("--data-iterator dynamic-shape belongs to pretraining (the PreTrainer template, as the "
+                         "guide says); fine-tuning already pads each batch to its longest sample: drop the flag")
+    if args.num_experts:
+        raise UsageError(f"--num-experts {args.num_experts}: mixture-of-experts layers are built in Megatron "
+                         "pretraining models, not added to a Hugging Face model being fine-tuned: drop the flag")
+
+
+def _check_blackbox_pretraining(args: argparse.Namespace, world_size: int) -> None:
+    """--task pretraining trains the Hugging Face model directory: what its PreTrainer would refuse in every
+    worker is refused here, before any worker starts."""
+    if args.task != "pretraining" or args.user_script:
+        return
+    if args.num_experts:
+        raise UsageError(f"--num-experts {args.num_experts}: --task pretraining trains the Hugging Face model in "
+                         "--pretrained-model-name-or-path, whose config says whether it has experts; mixture-of-"
+                         "experts layers are built in Megatron models (a --user-script PreTrainer whose model is "
+                         "megatron_patch.models.GPTModel()): drop the flag")
+    from megatron_patch.config import ConfigError
+    from .engine_config import engine_config
+
+    try:  # the settings PreTrainer.train() validates first (the run's shape, schedule and data)
+        engine_config(args, accelerations=False).validate(world_size)
+    except ConfigError as e:
+        raise UsageError(str(e)) from None
+
+
+def _check_schedule(args: argparse.Namespace, world_size: int) -> None:
+    if args.lr_warmup_fraction is not None and args.lr_warmup_iters is not None:
+        raise UsageError("--lr-warmup-fraction and --lr-warmup-iters both given: use one")
+    if args.lr is None:
+        args.lr = DEFAULT_LR
+        _note(args, f"--lr not given: using {DEFAULT_LR}")
+    if args.task == "pretraining" or (args.user_script and args.task is None and args.train_iters):
+        pass  # pretraining is iteration-based (the PreTrainer refuses a run without --train-iters)
+    elif args.train_iters is None and args.epochs is None:
+        args.epochs = DEFAULT_EPOCHS
+        _note(args, f"neither --train-iters nor --epochs given: training {DEFAULT_EPOCHS} epochs")
+    elif args.train_iters is not None and args.epochs is not None:
+        _note(args, f"--train-iters {args.train_iters} and --epochs {args.epochs}: training stops at whichever "
+                    "comes first")
+    if args.micro_batch_size is None:
+        args.micro_batch_size = DEFAULT_MICRO_BATCH
+        _note(args, f"--micro-batch-size not given: using {DEFAULT_MICRO_BATCH} per worker")
+    # data-parallel workers: tensor/pipeline parallelism (Megatron models) share one batch among TP x PP ranks
+    data_parallel = max(1, world_size // (args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
+    per_step = args.micro_batch_size * data_parallel
+    args.grad_accumulation = 1
+    if args.global_batch_size is None:
+        args.global_batch_size = per_step
+    elif args.epochs is not None and args.train_iters is None:
+        if args.global_batch_size != per_step:
+            _note(args, f"--global-batch-size {args.global_batch_size} is not used in epoch-based fine-tuning "
+                        f"(no gradient accumulation there, as the guide says): each step takes "
+                        f"--micro-batch-size {args.micro_batch_size} x {data_parallel} workers = {per_step} samples")
+            args.global_batch_size = per_step
+    else:
+        if args.global_batch_size % per_step:
+            raise UsageError(f"--global-batch-size {args.global_batch_size} is not a multiple of --micro-batch-size "
+                             f"{args.micro_batch_size} x {data_parallel} workers = {per_step}: gradient accumulation "
+                             "needs a whole number of micro batches")
+        args.grad_accumulation = args.global_batch_size // per_step
+        if args.grad_accumulation > 1:
+            _note(args, f"gradient accumulation: {args.grad_accumulation} micro batches per step "
+                        f"({args.global_batch_size} = {args.micro_batch_size} x {data_parallel} workers x "
+                        f"{args.grad_accumulation})")
+
+
+def _check_compile(args: argparse.Namespace) -> None:
+    from megatron_patch.accelerations.compile import uses_cuda_graphs
+
+    if args.pad_to_multiple_of is not None and args.pad_to_multiple_of < 1:
+        raise UsageError(f"--pad-to-multiple-of {args.pad_to_multiple_of}: give a positive number of tokens (e.g. 64)")
+    if args.torch_compile_mode and not args.torch_compile:
+        args.torch_compile = True
+        _note(args, f"--torch-compile-mode {args.torch_compile_mode} turns on --torch-compile")
+    if uses_cuda_graphs(args) and args.pad_to_multiple_of is None:
+        # a CUDA graph is recorded per batch shape: padding to exact lengths would record one per length
+        args.pad_to_multiple_of = DEFAULT_GRAPH_PAD
+        _note(args, f"--torch-compile-mode {args.torch_compile_mode} records a CUDA graph per batch shape: batches "
+                    f"are padded to a multiple of {DEFAULT_GRAPH_PAD} tokens (--pad-to-multiple-of to change)")
+
+
+def _check_blackbox(args: argparse.Namespace) -> None:
+    if args.task == "pretraining" and not args.user_script and not args.save:
+        args.save = os.path.join("rapidformer_output", "pretraining")
+        _note(args, f"--save not given: checkpoints and the final model are saved to {args.save}")
+    if args.user_script or args.task not in FINETUNE_TASKS:
+        return
+    if not args.pretrained_model_name_or_path:
+        raise UsageError(f"--task {args.task} needs --pretrained-model-name-or-path (a local Hugging Face model "
+                         "directory)")
+    if not args.data_path:
+        raise UsageError(f"--task {args.task} needs --data-path (a directory of train/validation files, a "
+                         "save_to_disk directory, or a dataset in the local Hugging Face cache)")
+    if not args.save:
+        args.save = os.path.join("rapidformer_output", args.task)
+        _note(args, f"--save not given: the model and tokenizer are saved to {args.save}")
+
+
+def check(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
+    """Apply the front end's rules to parsed flags for a run of `world_size` workers (see module docstring)."""
+    _check_launch(args)
+    _check_blackbox(args)  # before the checks that import torch: a missing flag is reported at once
+    _check_parallelism(args)
+    _check_schedule(args, world_size)
+    _check_compile(args)
+    _check_blackbox_pretraining(args, world_size)
+    if args.metrics_file is None and args.save:
+        args.metrics_file = os.path.join(args.save, "metrics.jsonl")
+    if args.tensorboard_dir is None and args.save:
+        args.tensorboard_dir = os.path.join(args.save, "tensorboard")
+    from megatron_patch.accelerations import check_combination
+
+    try:
+        check_combination(args)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    # last, so the specific refusals above speak first; what the model decides: preflight and the templates
+    refuse_unused(args, run_kinds(args))
+    return args
