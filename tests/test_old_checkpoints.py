@@ -1,0 +1,32 @@
+"""Checkpoints written before a change of the configuration still load and continue exactly (issue 28 part 6).
+
+tests/data/engine_checkpoint_v1 holds a tiny GPT checkpoint at iteration 3 written by the engine at f3400d6 (before
+the configuration was reorganised) and what that run logged afterwards. Today's engine resumes it with the same
+flags (dropout on: its RNG states must be restored too) and must log the same iterations 4-6 and validation loss.
+(One process, 3 iterations: about 10 s.)"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+from engine_utils import run_engine
+
+DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "engine_checkpoint_v1")
+
+
+def test_engine_checkpoint_of_an_earlier_version_resumes_exactly(tmp_path):
+    ck = tmp_path / "ck"
+    shutil.copytree(os.path.join(DATA, "ck"), ck)
+    with open(os.path.join(DATA, "flags.txt")) as f:
+        flags = f.read().split()
+    with open(os.path.join(DATA, "continuation.jsonl")) as f:
+        expected = [json.loads(line) for line in f]
+    lines, proc = run_engine(tmp_path, 1, "--load", str(ck), "--save", str(ck), base=flags)
+    assert "loaded checkpoint" in proc.stdout and "(iteration 3)" in proc.stdout, proc.stdout[-2000:]
+    got = [{k: v for k, v in line.items() if k in ("iteration", "loss", "grad_norm", "lr", "valid_loss")}
+           for line in lines]
+    assert [(g["iteration"], "valid_loss" in g) for g in got] == [(e["iteration"], "valid_loss" in e) for e in expected]
+    for g, e in zip(got, expected):
+        for key, want in e.items():
+            assert abs(g[key] - want) <= 1e-6 * max(1.0, abs(want)), (key, g, e)
