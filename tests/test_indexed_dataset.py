@@ -126,6 +126,9 @@ def _as_list(batch):
     return batch
 
 
+# The fork is the point of the test (workers sharing the reader's file descriptor); Python warns about any fork of a
+# process with threads (torch's), which is harmless here: the workers only read.
+@pytest.mark.filterwarnings("ignore:This process .* is multi-threaded, use of fork:DeprecationWarning")
 def test_lazy_reader_in_forked_dataloader_workers(tmp_path):
     """Every item, read through a DataLoader with 2 forked workers over one lazy reader, equals mmap's.
 
