@@ -3,7 +3,8 @@
 tests/data/engine_checkpoint_v1 holds a tiny GPT checkpoint at iteration 3 written by the engine at f3400d6 (before
 the configuration was reorganised) and what that run logged afterwards. Today's engine resumes it with the same
 flags (dropout on: its RNG states must be restored too) and must log the same iterations 4-6 and validation loss.
-(One process, 3 iterations: about 10 s.)"""
+tests/data/hf_checkpoint_v1 does the same for the Hugging Face PreTrainer's checkpoints (a tiny BERT, its data
+and vocabulary included). (One process each, 3 iterations: about 10 s each.)"""
 from __future__ import annotations
 
 import json
@@ -30,3 +31,31 @@ def test_engine_checkpoint_of_an_earlier_version_resumes_exactly(tmp_path):
     for g, e in zip(got, expected):
         for key, want in e.items():
             assert abs(g[key] - want) <= 1e-6 * max(1.0, abs(want)), (key, g, e)
+
+
+HF_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_checkpoint_v1")
+
+
+def test_hf_pretrainer_checkpoint_of_an_earlier_version_resumes_exactly(tmp_path):
+    """The Hugging Face PreTrainer (the how-to's BERT sample, dropout on) resumes a checkpoint of f3400d6 at
+    iteration 3 and logs that run's iterations 4-6 and validation loss. (One worker: about 15 s.)"""
+    from finetune_utils import ROOT, explain, rapidformer
+
+    data = tmp_path / "data"
+    shutil.copytree(HF_DATA, data)
+    with open(data / "flags.txt") as f:
+        flags = f.read().replace("{DATA}", str(data)).split()
+    flags[flags.index("--user-script") + 1] = os.path.join(ROOT, flags[flags.index("--user-script") + 1])
+    with open(data / "continuation.jsonl") as f:
+        expected = [json.loads(line) for line in f]
+    ck = data / "ck"
+    proc = rapidformer(*flags, "--load", str(ck), "--save", str(ck), "--metrics-file", str(tmp_path / "m.jsonl"))
+    assert proc.returncode == 0, explain(proc)
+    assert "resumed from" in proc.stdout and "at iteration 3" in proc.stdout, explain(proc)
+    with open(tmp_path / "m.jsonl") as f:
+        got = [json.loads(line) for line in f if line.strip()]
+    assert [(g["iteration"], g.get("split")) for g in got] == [(e["iteration"], e.get("split")) for e in expected]
+    for g, e in zip(got, expected):
+        for key in ("loss", "grad_norm", "lr"):
+            if key in e:
+                assert abs(g[key] - e[key]) <= 1e-6 * max(1.0, abs(e[key])), (key, g, e)
