@@ -345,8 +345,8 @@ def run_trainer(a, arm: str) -> Dict:
 
 def run_rapidformer(a, arm: str) -> Dict:
     import torch
-    from megatron_patch.cli.arguments import parse_args
-    from megatron_patch.cli.rules import check
+    from megatron_patch.config.rapidformer_flags import parse_args
+    from megatron_patch.templates.rules import check
     from megatron_patch.templates import Finetuner, RapidformerEngine
     from megatron_patch.templates.globals import set_args
 

@@ -151,7 +151,7 @@ def trainer_child(a) -> int:
     import torch
     from transformers import BertForPreTraining, Trainer, TrainerCallback, TrainingArguments
 
-    from megatron_patch.cli.arguments import parse_args
+    from megatron_patch.config.rapidformer_flags import parse_args
     from megatron_patch.templates.globals import set_args
     from megatron_patch.templates.pretraining_data import build_train_valid_test_datasets_for_huggingface
 

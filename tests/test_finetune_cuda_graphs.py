@@ -46,8 +46,8 @@ def _collate(multiple: int):
 def _run(extra):
     import transformers
 
-    from megatron_patch.cli.arguments import parse_args
-    from megatron_patch.cli.rules import check
+    from megatron_patch.config.rapidformer_flags import parse_args
+    from megatron_patch.templates.rules import check
     from megatron_patch.templates import Finetuner, RapidformerEngine
     from megatron_patch.templates.globals import get_logger, set_args
 

@@ -117,8 +117,8 @@ def _whitebox_class(n_train: int = N_TRAIN):
 
 
 def _whitebox(world: int, micro: int, *extra: str, length=("--train-iters", "3"), n_train: int = N_TRAIN) -> dict:
-    from megatron_patch.cli.arguments import parse_args
-    from megatron_patch.cli.rules import check
+    from megatron_patch.config.rapidformer_flags import parse_args
+    from megatron_patch.templates.rules import check
     from megatron_patch.templates.engine import RapidformerEngine
 
     # --user-script names this file only to pass the front end's rules: the class above is the user's Finetuner
@@ -141,8 +141,8 @@ def _whitebox(world: int, micro: int, *extra: str, length=("--train-iters", "3")
 # ---------------------------------------------------------------- the black-box task, recording what it evaluated
 
 def _blackbox(task: str, data: str, model: str, save: str, *extra: str) -> dict:
-    from megatron_patch.cli.arguments import parse_args
-    from megatron_patch.cli.rules import check
+    from megatron_patch.config.rapidformer_flags import parse_args
+    from megatron_patch.templates.rules import check
     from megatron_patch.cli.tasks import task_class
     from megatron_patch.templates.engine import RapidformerEngine
 

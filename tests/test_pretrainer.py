@@ -175,7 +175,7 @@ def test_blackbox_causal_pretraining_starts_from_the_directory_weights(corpora, 
     # the first loss is the directory model's on the first 4 samples
     from transformers import GPT2LMHeadModel
 
-    from megatron_patch.cli.arguments import parse_args
+    from megatron_patch.config.rapidformer_flags import parse_args
     from megatron_patch.templates.globals import set_args
     from megatron_patch.templates.gpt_samples import build_train_valid_test_datasets
 
@@ -199,8 +199,8 @@ def test_tensor_parallelism_with_a_hugging_face_model_is_refused(corpora, tmp_pa
 
 
 def test_front_end_rules_for_pretraining():
-    from megatron_patch.cli.arguments import UsageError, parse_args
-    from megatron_patch.cli.rules import check
+    from megatron_patch.config.rapidformer_flags import UsageError, parse_args
+    from megatron_patch.templates.rules import check
 
     with pytest.raises(UsageError, match="--task pretraining needs --data-path, --tokenizer-type, --vocab-file"):
         check(parse_args(["--task", "pretraining", "--pretrained-model-name-or-path", "m", "--train-iters", "5"]), 1)
@@ -280,7 +280,7 @@ def test_dynamic_shape_keeps_each_steps_samples_and_their_losses_with_less_paddi
     mode) is the one it has when padded to --seq-length; fewer tokens are computed."""
     from transformers import BertConfig, BertForPreTraining
 
-    from megatron_patch.cli.arguments import parse_args
+    from megatron_patch.config.rapidformer_flags import parse_args
     from megatron_patch.templates.globals import set_args
     from megatron_patch.templates.pretrain_hf import DynamicShape
     from megatron_patch.templates.pretraining_data import build_train_valid_test_datasets_for_huggingface
@@ -452,7 +452,7 @@ def test_hf_pretrainer_falls_back_from_a_damaged_checkpoint_and_resumes_exactly(
     deleted: --load falls back to iteration 5 with a warning naming both, and iterations 6-10 give the
     uninterrupted run's losses, gradient norms and validation losses (evaluation every 2 iterations: the
     validation position is restored) within 1e-6, dropout on (the random streams are restored)."""
-    from megatron_patch.training.checkpoint.directory import read_manifest
+    from megatron_patch.config.checkpoint_layout import read_manifest
 
     full = hf_run["save"]
     manifest = read_manifest(os.path.join(full, "iter_0000010"))
@@ -490,7 +490,7 @@ def test_hf_checkpoint_selection_and_refusals_in_words(hf_run, tmp_path):
     from megatron_patch.accelerations.precision import Precision
     from megatron_patch.templates.checkpoint_hf import find_checkpoint, load_checkpoint
     from megatron_patch.templates.schedule import build_scheduler
-    from megatron_patch.training.checkpoint.directory import CheckpointError, read_manifest, write_manifest
+    from megatron_patch.config.checkpoint_layout import CheckpointError, read_manifest, write_manifest
 
     root = str(tmp_path / "ck")
     shutil.copytree(hf_run["save"], root)
@@ -550,8 +550,8 @@ def _without(flags, name):
 
 def _hf_config(model, corpora, *argv, drop=()):
     """The engine Config PreTrainer.train() hands the Hugging Face loop, for `_ckpt_flags` changed by `argv`."""
-    from megatron_patch.cli.arguments import parse_args
-    from megatron_patch.cli.rules import check
+    from megatron_patch.config.rapidformer_flags import parse_args
+    from megatron_patch.templates.rules import check
     from megatron_patch.templates.pretrain_megatron import engine_config
 
     flags = _ckpt_flags(model, corpora)
@@ -614,8 +614,8 @@ def test_hf_resume_schedule_rules(corpora, hf_run, tmp_path):
     (the HF loop's LambdaLR counts optimizer steps, not samples) and a --train-iters inside a decay that goes on.
     The scheduler flags are refused where they cannot act, an engine checkpoint is left to the loader's refusal,
     and --task pretraining refuses a changed schedule before launch (the front end's validate())."""
-    from megatron_patch.cli.arguments import UsageError, parse_args
-    from megatron_patch.cli.rules import check
+    from megatron_patch.config.rapidformer_flags import UsageError, parse_args
+    from megatron_patch.templates.rules import check
     from megatron_patch.config import ConfigError
     from megatron_patch.templates.resume_hf import plan
 
@@ -698,7 +698,7 @@ def test_hf_override_continues_with_the_new_schedule(corpora, hf_run, tmp_path):
     for x in resumed:
         assert x["lr"] == pytest.approx(_lr(x["iteration"] - 1, **new), rel=1e-12), x
     assert abs(resumed[0]["loss"] - _train(hf_run["lines"])[5]["loss"]) < 1e-6
-    from megatron_patch.training.checkpoint.directory import read_manifest
+    from megatron_patch.config.checkpoint_layout import read_manifest
 
     saved = read_manifest(os.path.join(out, "iter_0000012"))
     assert saved["scheduler"]["max_lr"] == 2e-3 and saved["scheduler"]["lr_decay_steps"] == 12 * 8
@@ -724,7 +724,7 @@ def test_hf_use_checkpoint_continues_like_the_uninterrupted_run(corpora, hf_run,
     whole_val, resumed_val = _validation(hf_run["lines"])[2:], _validation(resumed)
     assert [i for i, _ in resumed_val] == [i for i, _ in whole_val] == [6, 8, 10]
     assert all(abs(a - b) <= 1e-6 for (_, a), (_, b) in zip(whole_val, resumed_val)), (whole_val, resumed_val)
-    from megatron_patch.training.checkpoint.directory import read_manifest
+    from megatron_patch.config.checkpoint_layout import read_manifest
 
     stored = read_manifest(os.path.join(hf_run["save"], "iter_0000010"))["scheduler"]
     assert read_manifest(os.path.join(out, "iter_0000010"))["scheduler"] == stored

@@ -135,7 +135,7 @@ def test_hub_name_in_the_local_cache_is_accepted(tmp_path, monkeypatch):
     """The check reads the cache only: a name whose config.json is cached passes, another does not."""
     import huggingface_hub.constants as hc
 
-    from megatron_patch.cli.arguments import UsageError, parse_args
+    from megatron_patch.config.rapidformer_flags import UsageError, parse_args
     from megatron_patch.cli.preflight import check_model
 
     snapshot = tmp_path / "models--acme--tiny" / "snapshots" / ("0" * 40)
@@ -211,7 +211,7 @@ def test_a_split_without_a_column_of_the_train_split_names_its_file(tmp_path):
 
 # ---- flags that cannot act are refused ------------------------------------------------------------------------------
 def test_shape_flags_must_match_the_model_directory_in_fine_tuning(model):
-    from megatron_patch.cli.arguments import UsageError, parse_args
+    from megatron_patch.config.rapidformer_flags import UsageError, parse_args
     from megatron_patch.cli.preflight import check_shapes
 
     def args(*flags):

@@ -6,8 +6,8 @@ import shlex
 
 import pytest
 
-from megatron_patch.cli.arguments import UsageError, parse_args
-from megatron_patch.cli.rules import check
+from megatron_patch.config.rapidformer_flags import UsageError, parse_args
+from megatron_patch.templates.rules import check
 
 # The how-to's commands, with its hub names replaced by local paths (what the README runs).
 HOWTO_FINETUNE = """--task sequence_classification --pretrained-model-name-or-path MODEL --data-path DATA --data-name mrpc

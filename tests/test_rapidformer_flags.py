@@ -1,5 +1,5 @@
 """Every `rapidformer` flag either acts or is refused (issue 27): the table of which flag acts in which kind of
-run (cli/flag_use.py) covers every flag; the seed documents' commands pass; a flag that a run would ignore is one
+run (config/flag_use.py) covers every flag; the seed documents' commands pass; a flag that a run would ignore is one
 line naming it; and the flags that were ignored now act where that is natural: --hidden-dropout,
 --attention-dropout and --init-method-std in the config of the model a black-box task loads, --eval-interval in
 fine-tuning, --eod-mask-loss and --reset-position-ids in black-box causal pretraining.
@@ -67,13 +67,13 @@ PT = ("--task pretraining --pretrained-model-name-or-path {model} --data-path d 
 
 
 def _args(cmd: str):
-    from megatron_patch.cli.arguments import parse_args
+    from megatron_patch.config.rapidformer_flags import parse_args
 
     return parse_args(shlex.split(cmd))
 
 
 def _checked(cmd: str, world: int = 4):
-    from megatron_patch.cli.rules import check
+    from megatron_patch.templates.rules import check
 
     return check(_args(cmd), world_size=world)
 
@@ -81,8 +81,8 @@ def _checked(cmd: str, world: int = 4):
 # ---- the table -------------------------------------------------------------------------------------------------------
 def test_the_table_places_every_flag_in_every_kind_of_run():
     """A new flag must say what it does in each kind of run; every refusal has its words."""
-    from megatron_patch.cli.arguments import build_parser
-    from megatron_patch.cli.flag_use import KINDS, PLAIN, PURPOSE, TABLE, TRAITS
+    from megatron_patch.config.rapidformer_flags import build_parser
+    from megatron_patch.config.flag_use import KINDS, PLAIN, PURPOSE, TABLE, TRAITS
 
     dests = [a.dest for a in build_parser()._actions if a.dest != "help"]
     assert sorted(TABLE) == sorted(dests)
@@ -105,7 +105,7 @@ def test_given_records_what_the_command_line_set():
 def test_the_seed_commands_pass(name):
     """(The rules' other checks are not run here: the seeds' --onnx-runtime-training needs a package this
     environment may lack, and ORT with ZeRO-3 is refused for its own reason.)"""
-    from megatron_patch.cli.flag_use import run_kinds, unused
+    from megatron_patch.config.flag_use import run_kinds, unused
 
     cmd, kinds = SEEDS[name]
     a = _args(cmd)
@@ -132,7 +132,7 @@ def test_the_seed_commands_pass(name):
     ("--num-layers-per-virtual-pipeline-stage 2", "--num-layers-per-virtual-pipeline-stage 2"),
 ])
 def test_black_box_fine_tuning_refuses_what_it_ignores(extra, flag):
-    from megatron_patch.cli.arguments import UsageError
+    from megatron_patch.config.rapidformer_flags import UsageError
 
     with pytest.raises(UsageError) as e:
         _checked(FT + extra)
@@ -144,7 +144,7 @@ def test_black_box_fine_tuning_refuses_what_it_ignores(extra, flag):
 def test_refusals_follow_the_task():
     """--mask-prob acts in masked LM only, --label-column in tasks with labels; several unused flags are one line;
     an explicit neutral value (--tensor-model-parallel-size 1) and --eval-interval are accepted in fine-tuning."""
-    from megatron_patch.cli.arguments import UsageError
+    from megatron_patch.config.rapidformer_flags import UsageError
 
     _checked("--task masked_lm --pretrained-model-name-or-path m --data-path d --mask-prob 0.3")
     _checked(FT + "--label-column label --tensor-model-parallel-size 1 --eval-interval 5")
@@ -160,7 +160,7 @@ def test_refusals_follow_the_task():
 def test_scripts_are_refused_only_what_no_template_reads():
     """A --user-script may be a Finetuner or a PreTrainer: the rules refuse a flag no template reads; --task of a
     fine-tuning kind declares a Finetuner; --task pretraining's rules refuse fine-tuning's flags."""
-    from megatron_patch.cli.arguments import UsageError
+    from megatron_patch.config.rapidformer_flags import UsageError
 
     script = f"--user-script {EXAMPLES}/custom_trainer_loop.py "
     _checked(script + "--eval-iters 3 --epochs 2 --split 9,1")  # a PreTrainer reads --eval-iters, a script --split
@@ -193,7 +193,7 @@ def configs(tmp_path_factory):
 def test_blackbox_pretraining_model_kind_decides_the_data_flags(configs):
     """The model directory says BERT (masked LM: --mask-prob, --short-seq-prob) or causal LM (--eod-mask-loss,
     --reset-position-ids); the other kind's flags are refused by the launching process."""
-    from megatron_patch.cli.arguments import UsageError
+    from megatron_patch.config.rapidformer_flags import UsageError
     from megatron_patch.cli.preflight import check_shapes
 
     def run(model, extra):
@@ -319,7 +319,7 @@ def test_megatron_pretrainer_takes_the_resume_schedule_choice(flag):
     args = _checked(f"--user-script {EXAMPLES}/rapidformer_pretrain_megatron_gpt_trainer.py --train-iters 2 "
                     f"--load /ckpt {option}", world=1)
     assert getattr(engine_config(args), flag) and getattr(engine_config(args, accelerations=False), flag)
-    from megatron_patch.cli.flag_use import TABLE
+    from megatron_patch.config.flag_use import TABLE
 
     assert TABLE[flag] == {"ft": "no", "finetuner": "no", "pt": "acts", "hf": "acts", "mg": "acts"}
 

@@ -160,7 +160,7 @@ def test_usage_error_status_reaches_the_launcher(tmp_path, monkeypatch):
 
 # ---- 3. refusals in words ----------------------------------------------------------------------------------------------
 def test_onnx_runtime_on_a_megatron_model_is_refused_as_a_hugging_face_switch():
-    from megatron_patch.cli.arguments import parse_args
+    from megatron_patch.config.rapidformer_flags import parse_args
     from megatron_patch.config import ConfigError
     from megatron_patch.templates.pretrain_megatron import engine_config
 
@@ -204,8 +204,8 @@ def test_engine_moe_bias_limits_in_one_sentence_each():
 def test_blackbox_pretraining_refuses_before_any_worker_starts():
     """--task pretraining trains a Hugging Face model: --num-experts is refused in words, and the run's settings
     are validated by the front end (the same check PreTrainer.train() makes first in every worker)."""
-    from megatron_patch.cli.arguments import UsageError, parse_args
-    from megatron_patch.cli.rules import check
+    from megatron_patch.config.rapidformer_flags import UsageError, parse_args
+    from megatron_patch.templates.rules import check
 
     base = ["--task", "pretraining", "--pretrained-model-name-or-path", "m", "--data-path", "d", "--tokenizer-type",
             "BertWordPieceLowerCase", "--vocab-file", "v", "--train-iters", "5", "--save", "/tmp/unused_rf_save"]
@@ -260,7 +260,7 @@ def test_precision_line_says_where_fp16_runs_under_onnx_runtime():
 ORT_FP16 = textwrap.dedent("""
     import sys, torch, transformers
     from megatron_patch.accelerations import accelerate
-    from megatron_patch.cli.arguments import parse_args
+    from megatron_patch.config.rapidformer_flags import parse_args
     flags = ["--task", "sequence_classification", "--pretrained-model-name-or-path", "m", "--data-path", "d",
              "--onnx-runtime-training", "--weight-decay", "0", "--lr", "1e-3"] + sys.argv[1:]
     args = parse_args(flags)

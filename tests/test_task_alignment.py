@@ -39,8 +39,8 @@ def _write(folder, splits: dict) -> str:
 
 def _task(task: str, data: str, model: str):
     """The task object `rapidformer --task <task>` trains with (one worker, this process)."""
-    from megatron_patch.cli.arguments import parse_args
-    from megatron_patch.cli.rules import check
+    from megatron_patch.config.rapidformer_flags import parse_args
+    from megatron_patch.templates.rules import check
     from megatron_patch.cli.tasks import task_class
     from megatron_patch.templates.engine import RapidformerEngine
 

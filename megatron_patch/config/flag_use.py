@@ -26,7 +26,7 @@ A white-box script's own loop (`engine.compose`, no template) reads what it read
 acceleration, optimizer and schedule flags) and `build_data_loader` act for it, and nothing is refused there
 beyond what is refused everywhere.
 
-The refusals run where the kind of run is first known: the front end's rules (cli/rules.py) for --task runs,
+The refusals run where the kind of run is first known: the front end's rules (templates/rules.py) for --task runs,
 before any worker starts; the launching process's model check (cli/preflight.py) for what depends on the model
 directory's config; the templates' train() for a --user-script, whose kind only the template knows.
 """

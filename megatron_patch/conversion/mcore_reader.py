@@ -42,8 +42,8 @@ from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from megatron_patch.compat import apply_safe_loading
-from megatron_patch.training.checkpoint import directory
-from megatron_patch.training.checkpoint.directory import CheckpointError
+from megatron_patch.config import checkpoint_layout as directory
+from megatron_patch.config.checkpoint_layout import CheckpointError
 
 from .mapping import TensorIndex
 

@@ -2,9 +2,9 @@
 PLANTS = [
     dict(name="config-reads-layout-from-training", file="megatron_patch/config/model_source.py",
          original="    from . import checkpoint_layout as directory  # torch-free: the on-disk layout only",
-         replacement="    from megatron_patch.training.checkpoint import directory  # torch-free: the on-disk layout only",
+         replacement="    from megatron_patch.training import checkpoint as directory  # torch-free: the on-disk layout only",
          property="the configuration layer imports nothing from the layers above it (here: the checkpoint layout "
-                  "taken from training, through its re-export)",
+                  "taken from training's package, which re-exports it)",
          tests=["tests/test_layering.py::test_imports_follow_the_layer_order_without_cycles"]),
     dict(name="engine-config-logs-through-globals", file="megatron_patch/templates/engine_config.py",
          original="from .logger import get_logger\n",
