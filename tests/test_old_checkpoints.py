@@ -16,6 +16,16 @@ from engine_utils import run_engine
 DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "engine_checkpoint_v1")
 
 
+def _continues_as_logged(got, expected, kind) -> None:
+    """The same lines (iteration and `kind`: training or validation) as the earlier version's run logged, each
+    loss, gradient norm and learning rate it logged within 1e-6 (relative above 1)."""
+    assert [(g["iteration"], kind(g)) for g in got] == [(e["iteration"], kind(e)) for e in expected], (got, expected)
+    for g, e in zip(got, expected):
+        for key in ("loss", "valid_loss", "grad_norm", "lr"):
+            if key in e:
+                assert abs(g[key] - e[key]) <= 1e-6 * max(1.0, abs(e[key])), (key, g, e)
+
+
 def test_engine_checkpoint_of_an_earlier_version_resumes_exactly(tmp_path):
     ck = tmp_path / "ck"
     shutil.copytree(os.path.join(DATA, "ck"), ck)
@@ -25,12 +35,7 @@ def test_engine_checkpoint_of_an_earlier_version_resumes_exactly(tmp_path):
         expected = [json.loads(line) for line in f]
     lines, proc = run_engine(tmp_path, 1, "--load", str(ck), "--save", str(ck), base=flags)
     assert "loaded checkpoint" in proc.stdout and "(iteration 3)" in proc.stdout, proc.stdout[-2000:]
-    got = [{k: v for k, v in line.items() if k in ("iteration", "loss", "grad_norm", "lr", "valid_loss")}
-           for line in lines]
-    assert [(g["iteration"], "valid_loss" in g) for g in got] == [(e["iteration"], "valid_loss" in e) for e in expected]
-    for g, e in zip(got, expected):
-        for key, want in e.items():
-            assert abs(g[key] - want) <= 1e-6 * max(1.0, abs(want)), (key, g, e)
+    _continues_as_logged(lines, expected, lambda line: "valid_loss" in line)
 
 
 HF_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "hf_checkpoint_v1")
@@ -54,8 +59,4 @@ def test_hf_pretrainer_checkpoint_of_an_earlier_version_resumes_exactly(tmp_path
     assert "resumed from" in proc.stdout and "at iteration 3" in proc.stdout, explain(proc)
     with open(tmp_path / "m.jsonl") as f:
         got = [json.loads(line) for line in f if line.strip()]
-    assert [(g["iteration"], g.get("split")) for g in got] == [(e["iteration"], e.get("split")) for e in expected]
-    for g, e in zip(got, expected):
-        for key in ("loss", "grad_norm", "lr"):
-            if key in e:
-                assert abs(g[key] - e[key]) <= 1e-6 * max(1.0, abs(e[key])), (key, g, e)
+    _continues_as_logged(got, expected, lambda line: line.get("split"))
