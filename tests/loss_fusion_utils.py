@@ -67,7 +67,7 @@ def model_check(base, fused_flags, module: str, function: str, switch: str) -> d
 
     setattr(mod, function, counting)
     cfg = parse_args(base + fused_flags + ["--make-vocab-size-divisible-by", "64"])  # 100 tokens, 128 rows
-    cfg.validate(2)
+    cfg = cfg.validate(2)
     model = build_gpt_model(cfg, 100)
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, 100, (2, 8), generator=g)

@@ -216,7 +216,7 @@ def test_round_trip_validation_loss_equals_hugging_face(demo_round_trip):
     reader = MegatronCheckpointReader(str(train.out / "checkpoints"))
     assert reader.manifest["iteration"] == TRAIN_ITERS
     stored = reader.config
-    cfg = Config(**{f: stored[f] for f in Config.__dataclass_fields__ if f in stored})
+    cfg = Config.from_flat(stored)
     assert (cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size, cfg.data_parallel_size) == (1, 1, 1)
     assert not (cfg.bf16 or cfg.fp16) and cfg.eval_iters == 10 and cfg.eval_interval == EVAL_INTERVAL
     _, valid_ds, _ = engine_datasets(cfg)

@@ -173,4 +173,5 @@ def test_moe_rejections(extra, world, match):
 def test_expert_data_parallel_size():
     c = parse_args(BASE + ["--num-experts", "4", "--disable-bias-linear", "--tensor-model-parallel-size", "2",
                            "--sequence-parallel", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"])
-    assert c.validate(8).expert_data_parallel_size == 4 and c.data_parallel_size == 4
+    v = c.validate(8)  # a resolved copy: the Config is frozen
+    assert v.expert_data_parallel_size == 4 and v.data_parallel_size == 4

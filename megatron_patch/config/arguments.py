@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import argparse
 import ast
-import dataclasses
 from typing import List, Optional, Union
 
 from .config import Config, ConfigError
@@ -235,5 +234,4 @@ def parse_args(argv: Optional[List[str]] = None, model: str = "gpt") -> Config:
             model_source.merge(values, given, stored, f"the checkpoint in --load {given['load']}")
     if values.get("mock_data") and "vocab_size" not in given and values.get("model_vocab_size"):
         values["vocab_size"] = values["model_vocab_size"]  # random tokens over the model's whole vocabulary
-    known = {f.name for f in dataclasses.fields(Config)}
-    return Config(**{k: v for k, v in values.items() if k in known})
+    return Config.from_flat(values)

@@ -33,9 +33,8 @@ if TYPE_CHECKING:  # annotations only: Config.validate() calls these checks
 
 def layout(cfg: Config) -> Dict[str, int]:
     """The run's parallel layout as a checkpoint records it."""
-    zero = 2 if cfg.zero_2_memory_optimization else 1 if cfg.zero_1_memory_optimization else 0
     out = {"tp": cfg.tensor_model_parallel_size, "pp": cfg.pipeline_model_parallel_size,
-           "dp": cfg.data_parallel_size, "vpp": cfg.virtual_pipeline_model_parallel_size or 1, "zero": zero}
+           "dp": cfg.data_parallel_size, "vpp": cfg.virtual_pipeline_model_parallel_size or 1, "zero": cfg.zero_stage}
     if cfg.num_experts:  # expert layout (absent: a dense model, or EP 1 / ETP TP)
         out.update(ep=cfg.expert_model_parallel_size,
                    etp=cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size)

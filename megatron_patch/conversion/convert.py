@@ -258,8 +258,6 @@ def publish(save_dir: str, direction: str, write: Callable[[str], int], verified
 
 
 def mcore2hf(a: argparse.Namespace) -> int:
-    import dataclasses
-
     from megatron_patch.config import Config
 
     from . import tables
@@ -269,7 +267,7 @@ def mcore2hf(a: argparse.Namespace) -> int:
 
     reader = MegatronCheckpointReader(a.load_dir)
     stored = reader.config
-    cfg = Config(**{f.name: stored[f.name] for f in dataclasses.fields(Config) if f.name in stored})
+    cfg = Config.from_flat(stored)
     family = tables.for_engine(cfg)
     _family_check(a.model_family, cfg.model_family or family.name)
     _check_save_dir(a.save_dir)

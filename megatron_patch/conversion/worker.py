@@ -15,7 +15,6 @@ DIR/rank_<r>.json: the parent reads its workers' verdict there, not from torchru
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 from typing import Dict, Optional
@@ -32,16 +31,14 @@ def engine_config(args, model: Dict, **settings):
     (--tp/--pp/--ep/--etp), and `settings` (precision, --load-hf, --save ...)."""
     from megatron_patch.config import Config
 
-    known = {f.name for f in dataclasses.fields(Config)}
-    cfg = Config(**{k: v for k, v in model.items() if k in known}, **NOT_TRAINED,
+    cfg = Config.from_flat(model).replace(**NOT_TRAINED,
                  tensor_model_parallel_size=args.tp, pipeline_model_parallel_size=args.pp,
                  expert_model_parallel_size=args.ep, expert_tensor_parallel_size=args.etp,
                  # megatron-core builds a tensor-parallel MoE layer only with sequence parallelism (validate() says
                  # so for training); it changes how activations are split, not the weights
                  sequence_parallel=bool(model.get("num_experts")) and args.tp > 1, **settings)
-    cfg.vocab_size = cfg.model_vocab_size  # the random tokens of mock data: the model's whole vocabulary (unused)
-    cfg.seq_length = min(cfg.max_position_embeddings or args.seq, args.seq)
-    return cfg
+    # the random tokens of mock data: the model's whole vocabulary (unused)
+    return cfg.replace(vocab_size=cfg.model_vocab_size, seq_length=min(cfg.max_position_embeddings or args.seq, args.seq))
 
 
 def verify_length(cfg, seq: int) -> int:
@@ -79,13 +76,13 @@ def hf2mcore(args) -> int:
     cfg = engine_config(args, arch, load_hf=args.load_dir, save=args.save_dir,
                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                         bf16=args.hf_dtype == "bfloat16", fp16=args.hf_dtype == "float16")  # exact: no rounding
-    initialize(cfg)
+    cfg = initialize(cfg)
     model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
     info = model_info(cfg, cfg.model_vocab_size)
     info["hf_dtype"] = args.hf_dtype
     # Written into the parent's staging directory (--save-dir), which it renames to --publish-dir once verified:
     # the stored configuration names the directory the checkpoint is published as, not the staging one.
-    cfg.save = args.publish_dir or args.save_dir
+    cfg = cfg.replace(save=args.publish_dir or args.save_dir)
     Checkpointer(cfg, model, None, None, model_info=info).save(TrainState(), consume_model=True, root=args.save_dir)
     return OK
 
@@ -105,8 +102,8 @@ def verify_checkpoint(args) -> int:
     arch = {key: reader.config[key] for key in ARCHITECTURE if key in reader.config}  # stored with the checkpoint
     arch.update(model_vocab_size=info["vocab_size"], padded_vocab_size=info["padded_vocab_size"])
     cfg = engine_config(args, arch)
-    cfg.seq_length = verify_length(cfg, args.seq)
-    initialize(cfg)
+    cfg = cfg.replace(seq_length=verify_length(cfg, args.seq))
+    cfg = initialize(cfg)
     model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
     get = reader.get
     if args.dtype:  # the export's dtype: compare with the weights it holds (a ZeRO-2 bf16 run saves fp32 main weights)

@@ -4,9 +4,9 @@ cannot use)."""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from megatron_patch.config import Config, ConfigError
+from megatron_patch.config.config import FLAG_NAMES, HOME
 
 from .logger import get_logger
 
@@ -21,7 +21,7 @@ def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Confi
     """The engine's Config for the `rapidformer` flags (not yet validated). `accelerations=False` leaves out the
     switches (ZeRO, precision, recompute, offload, compile): enough to start process groups before the model
     says whether it is a Megatron model."""
-    names = {f.name for f in dataclasses.fields(Config)}
+    names = set(HOME) | set(FLAG_NAMES)
     switches = {"zero_1_memory_optimization", "zero_2_memory_optimization", "zero_3_memory_optimization", "bf16",
                 "fp16", "mixed_precision", "checkpoint_activations", "cpu_offload", "compile",
                 "compile_mode"}
@@ -56,9 +56,9 @@ def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Confi
             raise ConfigError("--data-iterator dynamic-shape: a Megatron model's pipeline sends activations of a fixed "
                               "--seq-length between stages, and GPT samples are packed to it with no padding to cut; "
                               "drop the flag (it applies to Hugging Face models on padded BERT-style samples)")
-        if cfg.mixed_precision and cfg.zero_2_memory_optimization:
+        if cfg.fp16 and getattr(args, "mixed_precision", False) and cfg.zero_2_memory_optimization:
             # megatron-core's fp16 loss scaling does not run under Megatron-FSDP: bf16 needs none
-            cfg.mixed_precision, cfg.bf16 = False, True
+            cfg = cfg.replace(precision="bf16")
             get_logger().info("--mixed-precision with --zero-2-memory-optimization runs in bf16: Megatron-FSDP has no "
                               "fp16 loss scaling, and bf16 needs none")
     return cfg

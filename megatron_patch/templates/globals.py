@@ -1,14 +1,12 @@
 """The run's global state that the documented samples reach for: `get_args()`, `get_logger()`, `get_timers()`.
 
-`get_args()` returns the parsed `rapidformer` flags. Inside a `rapidformer` run they are set before the
-user's script starts; a script started another way (python or torchrun) gets them parsed from its own
-command line the first time they are asked for.
+`get_args()` is a view of the run's one configuration, the `rapidformer` flags as the front end parsed and
+checked them before the user's script started (`set_args`, in every worker). Outside a `rapidformer` run there is
+none: it says so, instead of parsing whatever command line the process happens to have.
 """
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 import time
 from typing import Dict, List, Optional
 
@@ -24,15 +22,11 @@ def set_args(args: argparse.Namespace) -> None:
 
 
 def get_args() -> argparse.Namespace:
-    """The parsed `rapidformer` flags (parsed from sys.argv on first use outside a `rapidformer` run)."""
-    global _ARGS
+    """The `rapidformer` flags of the run under way (set by the front end before the user's script starts)."""
     if _ARGS is None:
-        from megatron_patch.config.rapidformer_flags import parse_args
-
-        from .rules import check
-
-        _ARGS = parse_args(sys.argv[1:])
-        check(_ARGS, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        raise RuntimeError("get_args() returns the flags of a rapidformer run, and none is under way: start the "
+                           "script with `rapidformer --user-script FILE [flags]` (or give the template its args: "
+                           "RapidformerEngine(args))")
     return _ARGS
 
 

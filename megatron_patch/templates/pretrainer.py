@@ -61,7 +61,7 @@ class PreTrainer:
         kind = "pt" if args.task == "pretraining" and not args.user_script else "hf"
         refuse_unused(args, (kind, "mg"), error=ConfigError)
         base = pretrain_megatron.engine_config(args, accelerations=False)
-        initialize(base)  # process groups, then seeds: the engine's order, so the hooks draw the same numbers
+        base = initialize(base)  # process groups, then seeds: the engine's order, so the hooks draw the same numbers
         pretrain_megatron.set_current_config(base, base.world_size)
         if args.save is None:
             log.info("--save not given: no checkpoints are written")

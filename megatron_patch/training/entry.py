@@ -32,7 +32,6 @@ def report(kind: str, error: Exception) -> int:
 
 def describe(cfg: Config, data: str) -> str:
     """The resolved settings, in a few words (printed by --validate-only)."""
-    zero = 2 if cfg.zero_2_memory_optimization else 1 if cfg.zero_1_memory_optimization else 0
     warmup = (f"{cfg.warmup_iters} (--lr-warmup-fraction {cfg.lr_warmup_fraction:g})"
               if cfg.lr_warmup_fraction is not None else str(cfg.warmup_iters))
     every = f"every {cfg.save_interval} iterations and " if cfg.save_interval else ""
@@ -45,7 +44,7 @@ def describe(cfg: Config, data: str) -> str:
             f"({cfg.num_layers} layers, hidden {cfg.hidden_size}), "
             f"TP {cfg.tensor_model_parallel_size} x PP {cfg.pipeline_model_parallel_size} x DP {cfg.data_parallel_size}, "
             f"micro batch {cfg.micro_batch_size} x {cfg.num_microbatches} x DP {cfg.data_parallel_size} = "
-            f"global batch {cfg.global_batch_size}, seq {cfg.seq_length}, {cfg.params_dtype_name}, ZeRO-{zero}, "
+            f"global batch {cfg.global_batch_size}, seq {cfg.seq_length}, {cfg.params_dtype_name}, ZeRO-{cfg.zero_stage}, "
             f"{cfg.train_iters} iterations, lr {cfg.lr:g} warmup {warmup} {cfg.lr_decay_style} decay over "
             f"{cfg.decay_iters}, checkpoints {save}\ndata: {data}")
 
@@ -69,7 +68,7 @@ def main(argv: Optional[List[str]] = None, model: str = "gpt") -> int:
     try:
         cfg = parse_args(argv, model=model)
         # Before torch and megatron-core are imported and before any process group exists.
-        cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
+        cfg = cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
         if model == "bert":
             from megatron_patch.config.validate import validate_bert_pretraining
 

@@ -308,7 +308,7 @@ class Trainer:
     def _describe(self) -> str:
         cfg = self.cfg
         vpp = cfg.virtual_pipeline_model_parallel_size
-        zero = 2 if cfg.zero_2_memory_optimization else 1 if cfg.zero_1_memory_optimization else 0
+        zero = cfg.zero_stage
         return (f"model: {cfg.model_family or 'custom'} {self.num_params / 1e6:.1f}M parameters, {cfg.num_layers} layers, "
                 f"hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, seq {cfg.seq_length} | "
                 f"TP {cfg.tensor_model_parallel_size} PP {cfg.pipeline_model_parallel_size} DP {cfg.data_parallel_size}"

@@ -44,10 +44,9 @@ PLANTS = [
          property="rapidformer MoE with TP2 keeps the experts split (ETP = TP): megatron-core's expert biases "
                   "cannot run, the user's command is refused",
          tests=[f"{T}::test_moe_sample_trains_with_default_biases_on_two_workers_quietly"]),
-    dict(name="cpu-offload-asks-for-zero-first", file="megatron_patch/config/validate.py",
-         original="    if c.cpu_offload and not _has_gpu():  # before the ZeRO rule",
-         replacement="    if c.cpu_offload and not _has_gpu() and (c.zero_1_memory_optimization or "
-                     "c.zero_2_memory_optimization):  # before the ZeRO rule",
+    dict(name="cpu-offload-asks-for-zero-first", file="megatron_patch/config/checks_training.py",
+         original="    if not checks._has_gpu():  # before the ZeRO rule",
+         replacement="    if not checks._has_gpu() and c.zero_stage in (1, 2):  # before the ZeRO rule",
          property="--cpu-offload on a machine without a GPU: 'add ZeRO' without the flag, 'drop the flag' with it",
          tests=[f"{T}::test_cpu_offload_answer_does_not_depend_on_the_zero_flag",
                 f"{T}::test_worker_configuration_error_is_one_line_and_exit_2", "tests/test_config.py -k rejections"]),
@@ -79,9 +78,9 @@ PLANTS = [
          property="with ONNX Runtime the fp16 log line claims PyTorch's eager CPU slowdown instead of saying that "
                   "fp16 runs inside ORT's graph at 1.7x",
          tests=[f"{T}::test_precision_line_says_where_fp16_runs_under_onnx_runtime"]),
-    dict(name="grouped-gemm-bias-unchecked", file="megatron_patch/config/validate.py",
-         original="    if c.moe_grouped_gemm and not c.disable_bias_linear:",
-         replacement="    if c.moe_grouped_gemm and c.add_qkv_bias:",
+    dict(name="grouped-gemm-bias-unchecked", file="megatron_patch/config/checks_layout.py",
+         original="    if not c.disable_bias_linear:\n        return (\"--moe-grouped-gemm computes",
+         replacement="    if c.add_qkv_bias:\n        return (\"--moe-grouped-gemm computes",
          property="--moe-grouped-gemm with the default linear biases passes validate() and fails later, at model "
                   "build, with a traceback from every rank",
          tests=[f"{T}::test_engine_moe_bias_limits_in_one_sentence_each"]),

@@ -90,7 +90,7 @@ class Checkpointer:
                 **dataclasses.asdict(state), "format": self.format, "layout": layout(self.cfg),
                 "contents": ["model"] if model_only else ["model", "optimizer", "rng", "scheduler"],
                 "scheduler": None if model_only else self.scheduler.state_dict(),
-                "config": dataclasses.asdict(self.cfg), "model": self.model_info, "versions": _versions()})
+                "config": self.cfg.to_flat(), "model": self.model_info, "versions": _versions()})
             directory.publish(tmp, root, state.iteration)  # iter_N.tmp -> iter_N, then the tracker
             if self.cfg.keep_last_n:
                 directory.prune(root, self.cfg.keep_last_n)
