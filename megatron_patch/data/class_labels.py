@@ -15,6 +15,8 @@ LABEL_NAMES_FILE = "label_names.json"
 
 
 def apply_label_names_file(dd: DatasetDict, folder: str) -> DatasetDict:
+    """The columns that `folder`'s label_names.json names, cast to ClassLabel in every split; `dd` as it is
+    without that file. A file that is not {column: [class names...]} raises FinetuneDataError."""
     path = os.path.join(folder, LABEL_NAMES_FILE)
     if not os.path.isfile(path):
         return dd
