@@ -15,10 +15,15 @@ import huggingface_hub.constants
 import pytest
 from datasets import ClassLabel, Dataset, DatasetDict, Features, List, Value
 
-from megatron_patch.data.finetune_data import FinetuneDataError, encode_labels, label_names, load_finetune_dataset
+from megatron_patch.data.class_labels import encode_labels, label_names
+from megatron_patch.data.finetune_data import load_finetune_dataset
+from megatron_patch.data.finetune_error import FinetuneDataError
 from megatron_patch.data.sentences import split_sentences
 from megatron_patch.data.task_columns import find_columns
 from megatron_patch.demo import task_corpora as tc
+from megatron_patch.demo.task_files import write_task_dataset
+from megatron_patch.demo.task_tags import TAG_NAMES, tag_tokens, word_spans
+from megatron_patch.demo.task_units import LM_MAX_WORDS, QUESTIONS
 from megatron_patch.demo.corpus import iter_stdlib_docstrings
 
 SIZES = {"train": 100, "validation": 30, "test": 20}
@@ -365,9 +370,9 @@ def test_repeated_text_never_crosses_splits(monkeypatch, task):
 
 
 def test_corpus_is_deterministic_for_a_seed(tmp_path):
-    a = tc.write_task_dataset("sequence_classification", str(tmp_path / "a"), 40, 10, 5, seed=3)
-    b = tc.write_task_dataset("sequence_classification", str(tmp_path / "b"), 40, 10, 5, seed=3)
-    c = tc.write_task_dataset("sequence_classification", str(tmp_path / "c"), 40, 10, 5, seed=4)
+    a = write_task_dataset("sequence_classification", str(tmp_path / "a"), 40, 10, 5, seed=3)
+    b = write_task_dataset("sequence_classification", str(tmp_path / "b"), 40, 10, 5, seed=3)
+    c = write_task_dataset("sequence_classification", str(tmp_path / "c"), 40, 10, 5, seed=4)
     for name in ("train.jsonl", "validation.jsonl", "test.jsonl", "label_names.json"):
         assert (Path(a) / name).read_bytes() == (Path(b) / name).read_bytes()
     assert (Path(a) / "train.jsonl").read_bytes() != (Path(c) / "train.jsonl").read_bytes()
@@ -398,7 +403,7 @@ def test_sequence_classification_labels_balanced_and_true(rows):
 
 
 def test_token_classification_bio_tags(rows):
-    names = tc.TAG_NAMES
+    names = TAG_NAMES
     for split_rows in rows["token_classification"].values():
         tagged = 0
         for r in split_rows:
@@ -414,12 +419,12 @@ def test_token_classification_bio_tags(rows):
             tagged += any(r["ner_tags"])
         assert tagged * 3 >= 2 * len(split_rows)
     text = "Use os.path.join() or f(a, b) with 42 max_size items, e.g. here."
-    tokens = [text[a:b] for a, b in tc.word_spans(text)]
+    tokens = [text[a:b] for a, b in word_spans(text)]
     assert tokens == ["Use", "os.path.join()", "or", "f(a", ",", "b", ")", "with", "42", "max_size", "items", ",",
                       "e.g", ".", "here", "."]
-    assert [names[t] for t in tc.tag_tokens(tokens)] == \
+    assert [names[t] for t in tag_tokens(tokens)] == \
         ["O", "B-CODE", "O", "B-CODE", "I-CODE", "I-CODE", "I-CODE", "O", "B-NUM", "B-CODE", "O", "O", "O", "O", "O", "O"]
-    assert [(s, e) for s, e in tc.word_spans("Call (see `os.path`), then f(x).")] == \
+    assert [(s, e) for s, e in word_spans("Call (see `os.path`), then f(x).")] == \
         [(0, 4), (5, 6), (6, 9), (10, 11), (11, 18), (18, 19), (19, 20), (20, 21), (22, 26), (27, 31), (31, 32)]
 
 
@@ -433,7 +438,7 @@ def test_question_answering_spans_exact(rows):
             # the answer is a whole token: nothing word-like glued on either side
             assert start == 0 or not (ctx[start - 1].isalnum() or ctx[start - 1] in "_."), r
             assert start + len(text) == len(ctx) or not (ctx[start + len(text)].isalnum() or ctx[start + len(text)] == "_"), r
-            assert r["question"] in tc.QUESTIONS
+            assert r["question"] in QUESTIONS
             if "number" in r["question"]:
                 assert re.fullmatch(r"[-+]?[0-9][0-9a-fA-FxXoObB_.eE+-]*", text), r
             else:
@@ -446,7 +451,7 @@ def test_lm_and_seq2seq_rows(rows):
     for task in ("masked_lm", "causal_lm"):
         for split_rows in rows[task].values():
             for r in split_rows:
-                assert 8 <= len(r["text"].split()) <= tc.LM_MAX_WORDS and ">>>" not in r["text"]
+                assert 8 <= len(r["text"].split()) <= LM_MAX_WORDS and ">>>" not in r["text"]
     for split_rows in rows["seq2seq_lm"].values():
         for r in split_rows:
             words = r["source"].split()
@@ -455,21 +460,21 @@ def test_lm_and_seq2seq_rows(rows):
 
 def test_written_files_load_back_with_label_names(tmp_path):
     out = tmp_path / "tok"
-    tc.write_task_dataset("token_classification", str(out), 20, 5, 0, fmt="jsonl")
-    tc.write_task_dataset("token_classification", str(out), 20, 5, 4, fmt="parquet")  # replaces the jsonl files
+    write_task_dataset("token_classification", str(out), 20, 5, 0, fmt="jsonl")
+    write_task_dataset("token_classification", str(out), 20, 5, 4, fmt="parquet")  # replaces the jsonl files
     assert sorted(os.listdir(out)) == ["label_names.json", "test.parquet", "train.parquet", "validation.parquet"]
     dd = load_finetune_dataset(str(out))
     cols = find_columns("token_classification", dd["train"].column_names)
-    assert label_names(dd, cols["tags"]) == tc.TAG_NAMES
+    assert label_names(dd, cols["tags"]) == TAG_NAMES
     assert {k: len(v) for k, v in dd.items()} == {"train": 20, "validation": 5, "test": 4}
 
     out = tmp_path / "mrpc"
-    tc.write_task_dataset("sequence_classification", str(out), 20, 6, fmt="csv")
+    write_task_dataset("sequence_classification", str(out), 20, 6, fmt="csv")
     dd = load_finetune_dataset(str(out))
     assert label_names(dd, "label") == tc.CLASS_NAMES and sorted(dd) == ["train", "validation"]
     assert sorted(Counter(dd["validation"]["label"]).items()) == [(0, 3), (1, 3)]
     with pytest.raises(ValueError, match="CSV"):
-        tc.write_task_dataset("question_answering", str(tmp_path / "qa"), 5, 5, fmt="csv")
+        write_task_dataset("question_answering", str(tmp_path / "qa"), 5, 5, fmt="csv")
 
 
 def test_too_few_examples_is_an_error(monkeypatch):

@@ -199,7 +199,7 @@ def _two_workers(rank: int, port: int, tmp: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from megatron_patch.demo.task_corpora import write_task_dataset
+    from megatron_patch.demo.task_files import write_task_dataset
 
     tmp = tmp_path_factory.mktemp("finetuner")
     data = write_task_dataset("sequence_classification", str(tmp / "data"), n_train=32, n_valid=N_VALID,

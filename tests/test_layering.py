@@ -7,7 +7,8 @@ and checked against two rules:
 
         layer 0  compat, config, data          (and the compiled `_C`, and the package's own `__init__`: its
                                                public names resolve on first use, so it imports nothing and any
-                                               layer may read `megatron_patch.__version__`)
+                                               layer may read `megatron_patch.__version__`; and `ports`, the
+                                               torch-free free_port() of every launcher)
         layer 1  models, parallel, accelerations, demo (the demo corpora, once they leave data/)
         layer 2  training
         layer 3  conversion, templates
@@ -44,7 +45,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent / "megatron_patch"
 PACKAGE = "megatron_patch"
 
 LAYERS: List[Tuple[str, ...]] = [
-    ("", "compat", "config", "data", "_C"),
+    ("", "compat", "config", "data", "_C", "ports"),  # ports: a root-level module (free_port)
     ("models", "parallel", "accelerations", "demo"),  # demo: the demo and test corpora (they read data)
     ("training",),
     ("conversion", "templates"),

@@ -138,8 +138,9 @@ def test_worker_that_dies_is_reported_not_waited_for(tmp_path, gpt2_files):
     src = _bad_file(tmp_path, ['{"text": "good one"}', '{"text": "good two"}'])
     script = ("import os, sys\n"
               "import megatron_patch.data.preprocess as p\n"
+              "import megatron_patch.data.preprocess_pool as pool\n"
               "def die(chunk):\n    os._exit(3)\n"
-              "p._worker_encode = die\n"
+              "pool._worker_encode = die\n"
               "p.main(sys.argv[1:])\n")
     try:
         proc = subprocess.run([sys.executable, "-c", script, *_gpt_args(src, gpt2_files, str(tmp_path / "o"), "--workers", "2")],

@@ -153,21 +153,23 @@ def test_hub_name_in_the_local_cache_is_accepted(tmp_path, monkeypatch):
 
 # ---- finetune_data: positions and names, in-process ----------------------------------------------------------------
 def test_utf8_fault_line_is_counted_across_read_chunks(tmp_path, monkeypatch):
-    from megatron_patch.data import finetune_data as fd
+    from megatron_patch.data import split_files
+    from megatron_patch.data.finetune_error import FinetuneDataError
 
-    monkeypatch.setattr(fd, "_READ_CHUNK", 64)  # many chunks, each extended to a line boundary
+    monkeypatch.setattr(split_files, "_READ_CHUNK", 64)  # many chunks, each extended to a line boundary
     rows = [json.dumps({"sentence": "x" * (i % 50), "label": 0}) for i in range(200)]
     raw = "\n".join(rows).encode()
     lines = raw.split(b"\n")
     lines[136] = lines[136][:5] + b"\xff" + lines[136][5:]
     (tmp_path / "train.jsonl").write_bytes(b"\n".join(lines))
-    with pytest.raises(fd.FinetuneDataError, match=r"train\.jsonl, line 137: bytes that are not UTF-8 \(b'\\xff' "
-                                                   r"at byte 6 of the line\)"):
-        fd._check_file(str(tmp_path / "train.jsonl"))
+    with pytest.raises(FinetuneDataError, match=r"train\.jsonl, line 137: bytes that are not UTF-8 \(b'\\xff' "
+                                                r"at byte 6 of the line\)"):
+        split_files.check_file(str(tmp_path / "train.jsonl"))
 
 
 def test_json_document_and_csv_faults_name_the_file(tmp_path):
-    from megatron_patch.data.finetune_data import FinetuneDataError, load_finetune_dataset
+    from megatron_patch.data.finetune_data import load_finetune_dataset
+    from megatron_patch.data.finetune_error import FinetuneDataError
 
     doc = tmp_path / "doc"
     doc.mkdir()
@@ -193,7 +195,8 @@ def test_json_document_and_csv_faults_name_the_file(tmp_path):
 
 
 def test_a_split_without_a_column_of_the_train_split_names_its_file(tmp_path):
-    from megatron_patch.data.finetune_data import FinetuneDataError, load_finetune_dataset
+    from megatron_patch.data.finetune_data import load_finetune_dataset
+    from megatron_patch.data.finetune_error import FinetuneDataError
     from megatron_patch.data.task_columns import find_task_columns
 
     _jsonl(str(tmp_path / "train.jsonl"), ROWS)

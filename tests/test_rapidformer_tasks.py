@@ -11,7 +11,7 @@ import re
 import pytest
 
 from finetune_utils import explain, metrics_lines, minilm_dir, rapidformer, tiny_model
-from megatron_patch.demo.task_corpora import write_task_dataset
+from megatron_patch.demo.task_files import write_task_dataset
 
 # task -> (model kind, metric, direction, min change, extra flags)
 TASKS = {

@@ -4,7 +4,7 @@
 Example: tools/make_finetune_data.py --task sequence_classification --output-dir data/mrpc_like \
              --train-samples 2000 --valid-samples 200 --test-samples 200 --seed 1234
 """
-from megatron_patch.demo.task_corpora import main
+from megatron_patch.demo.task_files import main
 
 if __name__ == "__main__":
     main()

@@ -7,11 +7,12 @@ NODE_RANK. A single worker on a single node runs in this process (no launcher to
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from typing import List
+
+from megatron_patch.ports import free_port
 
 from . import status
 
@@ -34,15 +35,9 @@ def workers_per_node(requested: int | None) -> int:
     return max(1, visible_gpus())
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def torchrun_command(argv: List[str], nproc: int) -> List[str]:
     multi_node = nodes() > 1
-    port = os.environ.get("MASTER_PORT") or (None if multi_node else str(_free_port()))
+    port = os.environ.get("MASTER_PORT") or (None if multi_node else str(free_port()))
     if multi_node and not (os.environ.get("MASTER_ADDR") and port):
         raise ValueError("NNODES > 1: set MASTER_ADDR and MASTER_PORT (the first node's address and a free port) "
                          "and NODE_RANK on every node")
@@ -58,7 +53,7 @@ def run_workers(argv: List[str], nproc: int) -> int:
     if nproc == 1 and nodes() == 1:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         from .worker import main as worker_main
 
         return worker_main(argv)

@@ -23,7 +23,7 @@ def _user_errors() -> tuple:
     checkpoint that --load cannot use (absent, damaged, tampered with) included."""
     from megatron_patch.config import ConfigError
     from megatron_patch.data.checks import DataError
-    from megatron_patch.data.finetune_data import FinetuneDataError
+    from megatron_patch.data.finetune_error import FinetuneDataError
     from megatron_patch.config.checkpoint_layout import CheckpointError
 
     return UsageError, ConfigError, DataError, FinetuneDataError, CheckpointError

@@ -33,12 +33,13 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from typing import TYPE_CHECKING, Callable, List, Optional
+
+from megatron_patch.ports import free_port
 
 if TYPE_CHECKING:
     from .family import Family
@@ -111,12 +112,6 @@ def _family_check(asked: str, found: str) -> None:
                               f"--model-family auto or {found}")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_workers(nproc: int, task_args: List[str]) -> int:
     """Start `nproc` worker processes on the CPU (gloo); their log streams through. Returns the workers' exit
     status (0 ok, 2 conversion error, 3 verification failed), which each worker writes to a result file
@@ -127,7 +122,7 @@ def run_workers(nproc: int, task_args: List[str]) -> int:
                OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // nproc))))
     with tempfile.TemporaryDirectory(prefix="convert_status_") as status_dir, tempfile.TemporaryFile("w+") as err:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-               str(_free_port()), "-m", "megatron_patch.conversion.worker", *task_args, "--status-dir", status_dir]
+               str(free_port()), "-m", "megatron_patch.conversion.worker", *task_args, "--status-dir", status_dir]
         proc = subprocess.run(cmd, env=env, stderr=err, text=True)
         reports = read_results(status_dir)
         codes = {r.status for r in reports}

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from datasets import DatasetDict
 
-from megatron_patch.data.finetune_data import FinetuneDataError, split_source
+from megatron_patch.data.finetune_data import split_source
+from megatron_patch.data.finetune_error import FinetuneDataError
 
 TASKS = ("sequence_classification", "token_classification", "question_answering", "masked_lm",
          "casual_lm", "causal_lm", "seq2seq_lm")

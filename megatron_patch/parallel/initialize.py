@@ -6,7 +6,6 @@ from __future__ import annotations
 import datetime
 import os
 import random
-import socket
 
 import numpy as np
 import torch
@@ -16,12 +15,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_patch import compat
 from megatron_patch.config import Config
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from megatron_patch.ports import free_port
 
 
 def world_size_from_env() -> int:
@@ -35,7 +29,7 @@ def initialize(cfg: Config) -> Config:
     cfg = cfg.validate(world)  # before any process group exists: config errors surface cleanly
     if "RANK" not in os.environ:  # plain `python pretrain_megatron_gpt.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(_free_port())))
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
     compat.check_versions()  # once per process, before any workaround is applied
     if torch.cuda.is_available():

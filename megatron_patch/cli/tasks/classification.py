@@ -5,7 +5,7 @@ from typing import Dict
 
 import torch
 
-from megatron_patch.data.finetune_data import encode_labels
+from megatron_patch.data.class_labels import encode_labels
 from megatron_patch.templates.globals import get_logger
 
 from . import metrics as M

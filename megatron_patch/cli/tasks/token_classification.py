@@ -4,7 +4,7 @@ from __future__ import annotations
 from typing import Dict
 
 
-from megatron_patch.data.finetune_data import encode_labels
+from megatron_patch.data.class_labels import encode_labels
 
 from . import metrics as M
 from .base import BlackBoxFinetuner
