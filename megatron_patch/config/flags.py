@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple, Union
 
@@ -148,10 +149,15 @@ class Flag:
         if entry == RAPIDFORMER and self.front is not None and self.front.default is not _SAME:
             return self.front.default
         if self.entries & ENGINE:
-            return getattr(Config(), self.dest)  # the one place a default of the engine's flags is declared
+            return getattr(_engine_defaults(), self.dest)  # the one place the engine's defaults are declared
         if self.kind == STORE_TRUE:
             return False
         return self.default
+
+
+@functools.lru_cache(maxsize=1)
+def _engine_defaults() -> Config:
+    return Config()  # read, never changed: the defaults shown in --help and rapidformer's for the flags both take
 
 
 def _f(names: str, kind: Any, entries: FrozenSet[str], help: str, **kw) -> Flag:
