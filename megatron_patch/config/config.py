@@ -318,6 +318,11 @@ class Config:
         return self.numerics.precision is Precision.FP16
 
     @property
+    def mixed_precision(self) -> bool:
+        """Rapidformer's --mixed-precision: fp16 training."""
+        return self.numerics.precision is Precision.FP16
+
+    @property
     def params_dtype_name(self) -> str:
         return self.numerics.precision.value
 

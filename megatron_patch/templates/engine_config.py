@@ -6,12 +6,12 @@ from __future__ import annotations
 import argparse
 
 from megatron_patch.config import Config, ConfigError
-from megatron_patch.config.config import FLAG_NAMES, HOME
+from megatron_patch.config.flags import front_to_engine
 
 from .logger import get_logger
 
-# rapidformer flags whose engine name differs; every other Config field is taken by its own name
-_RENAMED = {"torch_compile": "compile", "torch_compile_mode": "compile_mode"}
+# rapidformer dest -> Config field, for the flags both take (the registry's; a few are renamed: --torch-compile)
+_ENGINE_NAME = front_to_engine()
 # Hugging Face-only sharding switches: the Megatron engine shards with ZeRO-1/2 (its distributed optimizer,
 # Megatron-FSDP)
 _HF_ONLY = ("oss_memory_optimization", "oss_sdp_memory_optimization", "fsdp_memory_optimization")
@@ -21,14 +21,13 @@ def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Confi
     """The engine's Config for the `rapidformer` flags (not yet validated). `accelerations=False` leaves out the
     switches (ZeRO, precision, recompute, offload, compile): enough to start process groups before the model
     says whether it is a Megatron model."""
-    names = set(HOME) | set(FLAG_NAMES)
     switches = {"zero_1_memory_optimization", "zero_2_memory_optimization", "zero_3_memory_optimization", "bf16",
                 "fp16", "mixed_precision", "checkpoint_activations", "cpu_offload", "compile",
                 "compile_mode"}
     values = {}
-    for key, value in vars(args).items():
-        key = _RENAMED.get(key, key)
-        if key in names and value is not None and (accelerations or key not in switches):
+    for front, key in _ENGINE_NAME.items():
+        value = getattr(args, front, None)
+        if value is not None and (accelerations or key not in switches):
             values[key] = value
     if isinstance(values.get("data_path"), str):
         values["data_path"] = values["data_path"].split()
