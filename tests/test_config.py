@@ -51,13 +51,13 @@ def test_rejections(extra, world, match, no_gpu):
 @pytest.fixture
 def no_gpu(monkeypatch):
     """The rejections above describe a machine without a GPU, whatever machine runs the test."""
-    monkeypatch.setattr("megatron_patch.config.checks._has_gpu", lambda: False)
+    monkeypatch.setattr("megatron_patch.config.rule._has_gpu", lambda: False)
 
 
 @pytest.fixture
 def gpu_host(monkeypatch):
-    """validate() as it runs on a machine with a GPU (probed by megatron_patch.config.checks._has_gpu)."""
-    monkeypatch.setattr("megatron_patch.config.checks._has_gpu", lambda: True)
+    """validate() as it runs on a machine with a GPU (probed by megatron_patch.config.rule._has_gpu)."""
+    monkeypatch.setattr("megatron_patch.config.rule._has_gpu", lambda: True)
 
 
 def test_gpu_host_accepts_gpu_only_switches(gpu_host):

@@ -175,12 +175,12 @@ def test_cpu_offload_answer_does_not_depend_on_the_zero_flag(monkeypatch):
     from megatron_patch.config import ConfigError, parse_args
 
     base = ["--mock-data", "--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4"]
-    monkeypatch.setattr("megatron_patch.config.checks._has_gpu", lambda: False)
+    monkeypatch.setattr("megatron_patch.config.rule._has_gpu", lambda: False)
     for extra in ([], ["--zero-1-memory-optimization"], ["--zero-2-memory-optimization"]):
         with pytest.raises(ConfigError, match="this machine has no GPU, so everything already lives on the CPU: "
                                               "drop --cpu-offload"):
             parse_args(base + ["--cpu-offload", *extra]).validate(2)
-    monkeypatch.setattr("megatron_patch.config.checks._has_gpu", lambda: True)  # a GPU: ZeRO is what it needs
+    monkeypatch.setattr("megatron_patch.config.rule._has_gpu", lambda: True)  # a GPU: ZeRO is what it needs
     with pytest.raises(ConfigError, match="needs ZeRO: add --zero-1-memory-optimization"):
         parse_args(base + ["--cpu-offload"]).validate(1)
     assert parse_args(base + ["--cpu-offload", "--zero-1-memory-optimization"]).validate(1).cpu_offload

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-from .checks import rule
+from .rule import rule
 
 if TYPE_CHECKING:
     from .config import Config

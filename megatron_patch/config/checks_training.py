@@ -5,8 +5,8 @@ from __future__ import annotations
 import importlib.util
 from typing import TYPE_CHECKING, Optional
 
-from . import checks
-from .checks import rule
+from . import rule as probes  # the GPU / Triton probes (tests replace _has_gpu)
+from .rule import rule
 
 if TYPE_CHECKING:
     from .config import Config
@@ -81,7 +81,7 @@ def optimizer_step_fusion(c: Config) -> Optional[str]:
                      ("--optimizers apex_lamb", c.optimizers == "apex_lamb")):
         if on:
             return f"--optimizer-step-fusion runs Adam on unsharded GPU state; {flag} steps another way: drop one of them"
-    return checks.triton_missing("--optimizer-step-fusion", missing="drop the flag", no_gpu="drop the flag")
+    return probes.triton_missing("--optimizer-step-fusion", missing="drop the flag", no_gpu="drop the flag")
 
 
 @rule("memory")
@@ -103,7 +103,7 @@ def optimizer_choice(c: Config) -> Optional[str]:
 def cpu_offload(c: Config) -> Optional[str]:
     if not c.cpu_offload:
         return None
-    if not checks._has_gpu():  # before the ZeRO rule: no ZeRO flag makes it useful here
+    if not probes._has_gpu():  # before the ZeRO rule: no ZeRO flag makes it useful here
         return ("--cpu-offload moves the optimizer state from GPU memory to host memory; this machine has no GPU, "
                 "so everything already lives on the CPU: drop --cpu-offload")
     if c.zero_stage not in (1, 2):
@@ -133,7 +133,7 @@ def loss_fusion(c: Config) -> Optional[str]:
         return ("--cross-entropy-fusion-impl te needs Transformer Engine, which is not installed: use linear (fused "
                 "output layer and loss) or native")
     if impl == "triton":
-        return checks.triton_missing("--cross-entropy-fusion-impl triton", missing="use linear or native",
+        return probes.triton_missing("--cross-entropy-fusion-impl triton", missing="use linear or native",
                                      no_gpu="use --cross-entropy-fusion-impl linear")
 
 
