@@ -488,7 +488,7 @@ def test_hf_checkpoint_selection_and_refusals_in_words(hf_run, tmp_path):
     from transformers import BertForPreTraining
 
     from megatron_patch.accelerations.precision import Precision
-    from megatron_patch.templates.checkpoint_hf import find_checkpoint, load_checkpoint
+    from megatron_patch.training.checkpoint.torch_dcp import find_checkpoint, load_checkpoint
     from megatron_patch.templates.schedule import build_scheduler
     from megatron_patch.config.checkpoint_layout import CheckpointError, read_manifest, write_manifest
 
@@ -764,7 +764,7 @@ def test_hf_checkpoint_loads_an_optimizer_with_an_empty_param_group(tmp_path):
     crashed). Saved and loaded into a fresh model and optimizer: weights, Adam state, every group's
     hyper-parameters and the empty group come back."""
     from megatron_patch.accelerations.precision import Precision
-    from megatron_patch.templates.checkpoint_hf import load_checkpoint, save_checkpoint
+    from megatron_patch.training.checkpoint.torch_dcp import load_checkpoint, save_checkpoint
 
     def build(seed):
         torch.manual_seed(seed)

@@ -29,6 +29,18 @@ import torch.distributed as dist
 from .layers import find_layers
 
 
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The user's model inside DDP (`module`), torch.compile (`_orig_mod`) and ORTModule (`_original_module`)."""
+    while True:
+        for attr in ("module", "_orig_mod", "_original_module"):
+            inner = getattr(model, attr, None)
+            if isinstance(inner, torch.nn.Module):
+                model = inner
+                break
+        else:
+            return model
+
+
 def world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 

@@ -1,6 +1,9 @@
 """Start the distributed run from the torchrun environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
 MASTER_PORT) or as a single process, with NCCL on GPUs and gloo plus the CPU backend
-(megatron_patch.compat.apply_cpu_backend) otherwise."""
+(megatron_patch.compat.apply_cpu_backend) otherwise.
+
+megatron-core is imported by the functions that need it, not here: `start_process_group` is also the set-up of the
+torch loop (Hugging Face models), whose runs never import megatron-core."""
 from __future__ import annotations
 
 import datetime
@@ -10,8 +13,6 @@ import random
 import numpy as np
 import torch
 import torch.distributed as dist
-from megatron.core import parallel_state as mpu
-from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from megatron_patch import compat
 from megatron_patch.config import Config
@@ -22,25 +23,42 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
+def start_process_group(world_of_one: bool = True, bind_device: bool = False) -> torch.device:
+    """The one process-group set-up of every run (the engine's and the torch loop's): join the workers of the
+    torchrun environment (NCCL on GPUs, gloo on the CPU), pick this worker's device, and return it.
+    `world_of_one`: a single process without torchrun starts a group of its own too (megatron-core needs one); the
+    torch loop's Hugging Face models need none, and join only when there are several workers. `bind_device`: hand
+    NCCL the device up front (the torch loop's FSDP2/DDP collectives then know it from the first call)."""
+    world = world_size_from_env()
+    if world_of_one and "RANK" not in os.environ:  # plain `python pretrain_megatron_gpt.py`: a world of one
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank % torch.cuda.device_count())
+        device = torch.device("cuda", torch.cuda.current_device())
+    else:
+        device = torch.device("cpu")
+    if (world > 1 or world_of_one) and not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=int(os.environ["RANK"]),
+                                world_size=world, timeout=datetime.timedelta(minutes=30),
+                                device_id=device if bind_device and device.type == "cuda" else None)
+    return device
+
+
 def initialize(cfg: Config) -> Config:
     """Validate `cfg` for this world size, then start process groups and seed every RNG."""
     compat.quiet_known_noise()  # (a no-op where the entry point already did it)
-    world = world_size_from_env()
-    cfg = cfg.validate(world)  # before any process group exists: config errors surface cleanly
-    if "RANK" not in os.environ:  # plain `python pretrain_megatron_gpt.py`: a world of one
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))
-    rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    cfg = cfg.validate(world_size_from_env())  # before any process group exists: config errors surface cleanly
     compat.check_versions()  # once per process, before any workaround is applied
     if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank % torch.cuda.device_count())
         compat.apply_gpu_fixes()
-        backend = "nccl"
     else:
         compat.apply_cpu_backend()
-        backend = "gloo"
-    if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=30))
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    start_process_group()
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
@@ -58,6 +76,8 @@ def initialize(cfg: Config) -> Config:
 
 
 def destroy() -> None:
+    from megatron.core import parallel_state as mpu
+
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     if dist.is_initialized():

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
 import random
 from typing import Callable, Optional, Tuple
 
@@ -10,21 +9,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from megatron_patch.parallel import start_process_group
+
 from .globals import get_args, get_logger
 from .schedule import build_scheduler
-
-
-def _init_distributed() -> torch.device:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(local_rank)
-        device = torch.device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", device_id=device if device.type == "cuda" else None)
-    return device
 
 
 def set_seed(seed: int) -> None:
@@ -42,7 +30,8 @@ class RapidformerEngine:
 
     def __init__(self, args: Optional[argparse.Namespace] = None) -> None:
         self.args = args if args is not None else get_args()
-        self.device = _init_distributed()
+        # the engine's set-up; a single worker starts no group (a Hugging Face model needs none)
+        self.device = start_process_group(world_of_one=False, bind_device=True)
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         set_seed(self.args.seed)

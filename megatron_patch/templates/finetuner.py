@@ -7,8 +7,8 @@ Hooks (the how-to's white-box section):
 - `run_compute_metrics(model, eval_dataloader)` -> a dict of metrics; `model` is a list (one entry), as in
   the document.
 `train()` applies the acceleration switches, runs the epochs (or --train-iters steps) with gradient
-accumulation, evaluates after every epoch (and every --eval-interval steps when that flag is given), reports,
-and saves with `save_pretrained` to --save. Flags a fine-tuning run does not use are refused (config/flag_use.py).
+accumulation on the torch loop (`torch_loop.py`: epochs are its stop rule), evaluates after every epoch (and every
+--eval-interval steps when that flag is given), reports, and saves with `save_pretrained` to --save. Flags a fine-tuning run does not use are refused (config/flag_use.py).
 """
 from __future__ import annotations
 
@@ -20,10 +20,11 @@ import torch
 from .data import DeviceLoader, GatherState, build_loader, gather
 from .engine import RapidformerEngine
 from .globals import get_logger
-from .reporting import MetricsReporter
+from .reporting import LoopReporter
 from .saving import save_pretrained
 from .schedule import build_scheduler
 from .shape_flags import check_shape_flags
+from .torch_loop import EpochBatches, Progress, Stop, TorchLoop, TrainStep, Validator
 
 
 class Finetuner:
@@ -91,9 +92,6 @@ class Finetuner:
             scheduler = None
         return acc, scheduler
 
-    def _no_sync(self, model: torch.nn.Module, sync: bool):
-        return no_sync(model, sync)
-
     def evaluate(self, loader, model: torch.nn.Module) -> Dict[str, float]:
         import contextlib
 
@@ -110,7 +108,7 @@ class Finetuner:
     def train(self) -> Dict[str, float]:
         """Fine-tune: epochs of --micro-batch-size batches per worker (or --train-iters optimizer steps, with
         gradient accumulation up to --global-batch-size), an evaluation after every epoch, the model saved to
-        --save. Returns the last validation metrics."""
+        --save. Returns the last validation metrics. The loop is the torch loop (templates/torch_loop.py)."""
         from megatron_patch.accelerations import mark_step, uses_cuda_graphs
 
         from megatron_patch.config.rapidformer_flags import given_flags
@@ -119,7 +117,6 @@ class Finetuner:
 
         args, log = self.args, get_logger()
         refuse_unused(args, ("finetuner",) if args.user_script else ("ft",), error=ConfigError)
-        graphs = uses_cuda_graphs(args)
         # --eval-interval N (when given; its default is pretraining's): also evaluate every N optimizer steps
         every = args.eval_interval if "eval_interval" in given_flags(args) else 0
         train_ds, valid_ds, test_ds, collate_fn = self.train_valid_test_datasets_provider()
@@ -130,60 +127,38 @@ class Finetuner:
         train_loader = self.build_data_loader(train_ds, shuffle=True, collate_fn=collate_fn, drop_last=False)
         eval_collate = getattr(self, "eval_collate_fn", None) or collate_fn
         valid_loader = self.build_data_loader(valid_ds, collate_fn=eval_collate) if valid_ds is not None else None
-        accum = args.grad_accumulation
-        steps_per_epoch = max(1, len(train_loader) // accum)
+        data = EpochBatches(train_loader, args.grad_accumulation, self.engine.world_size)
+        steps_per_epoch = data.steps_per_epoch
         epochs = args.epochs or math.ceil(args.train_iters / steps_per_epoch)
         total = min(args.train_iters or epochs * steps_per_epoch, epochs * steps_per_epoch)
         if scheduler is None:
             scheduler = build_scheduler(args, optimizer, total)
         log.info(f"training: {len(train_ds)} samples; {training_span(args.train_iters, epochs, steps_per_epoch)}; "
-                 f"each step {args.global_batch_size} samples "
-                 f"({args.micro_batch_size} per worker x {self.engine.world_size} worker(s) x {accum} accumulation)")
-        reporter = MetricsReporter(args, self.engine.rank)
-        if args.eval_at_start and valid_loader is not None:
-            reporter.evaluation(0, 0, "validation", self.evaluate(valid_loader, model))
-        step, metrics, evaluated = 0, {}, -1
-        model.train()  # from_pretrained returns a model in eval mode: dropout off, and ORT would export inference
-        for epoch in range(1, epochs + 1):
-            if hasattr(train_loader.sampler, "set_epoch"):
-                train_loader.sampler.set_epoch(epoch)
-            usable = steps_per_epoch * accum  # a trailing part of an accumulation is not a step
-            with reporter.progress(min(steps_per_epoch, total - step), f"epoch {epoch}/{epochs}") as bar:
-                for micro, batch in enumerate(train_loader):
-                    if micro >= usable or step >= total:
-                        break
-                    boundary = (micro + 1) % accum == 0
-                    if graphs:
-                        mark_step()
-                    with self._no_sync(model, boundary):
-                        with self.precision.autocast():
-                            loss = self.run_forward_step(batch, model)
-                        self.precision.backward(loss / accum)
-                    reporter.add_loss(loss.detach(), batch)
-                    if not boundary:
-                        continue
-                    grad_norm, skipped = self.precision.step(optimizer, model, args.clip_grad)
-                    optimizer.zero_grad(set_to_none=True)
-                    if not skipped:
-                        scheduler.step()
-                    step += 1
-                    bar.update(1)
-                    reporter.step(step, total, epoch, scheduler.get_last_lr()[0], grad_norm, skipped)
-                    if every and valid_loader is not None and step % every == 0:
-                        metrics, evaluated = self.evaluate(valid_loader, model), step
-                        reporter.evaluation(epoch, step, "validation", metrics, in_epoch=True)
-            if valid_loader is not None and evaluated != step:  # after every epoch, unless just evaluated
-                metrics, evaluated = self.evaluate(valid_loader, model), step
-                reporter.evaluation(epoch, step, "validation", metrics)
-            if step >= total:
-                break
-        self.after_training(model, test_ds, collate_fn, reporter, epoch, step)
+                 f"each step {args.global_batch_size} samples ({args.micro_batch_size} per worker x "
+                 f"{self.engine.world_size} worker(s) x {args.grad_accumulation} accumulation)")
+        reporter = LoopReporter(args, self.engine.rank, total, "step", epochs)
+
+        def evaluate(progress: Progress, when: str) -> Dict[str, float]:
+            metrics = self.evaluate(valid_loader, model)
+            epoch, step = (0, 0) if when == "start" else (progress.epoch, progress.step)
+            reporter.evaluation(epoch, step, "validation", metrics, in_epoch=when == "step")
+            return metrics
+
+        has_valid = valid_loader is not None
+        validator = Validator(evaluate, every=every if has_valid else 0, at_start=args.eval_at_start and has_valid,
+                              each_epoch=has_valid)
+        step = TrainStep(model, optimizer, scheduler, self.precision, self.run_forward_step, args.clip_grad,
+                         mark_step if uses_cuda_graphs(args) else None)
+        # epochs are a stop rule; --train-iters (when given) another, whichever comes first
+        loop = TorchLoop(model, step, data, Stop(steps=args.train_iters, epochs=epochs), validator, reporter)
+        progress = loop.train(Progress())
+        self.after_training(model, test_ds, collate_fn, reporter, progress.epoch, progress.step)
         reporter.close()
         if args.save:
             save_pretrained(model, args.save, self.tokenizer)
             log.info(f"saved the model{' and tokenizer' if self.tokenizer is not None else ''} to {args.save} "
                      "(save_pretrained)")
-        return metrics
+        return validator.last
 
     def after_training(self, model, test_ds, collate_fn, reporter, epoch: int, step: int) -> None:
         """Called once training ends, before saving; the black-box tasks evaluate a labelled test split here."""
@@ -196,29 +171,3 @@ def training_span(train_iters: Optional[int], epochs: int, steps_per_epoch: int)
         return (f"{train_iters} optimizer steps (--train-iters {train_iters}) = {train_iters / steps_per_epoch:.3g} "
                 f"epoch(s) of {steps_per_epoch} steps")
     return f"{epochs} epoch(s) of {steps_per_epoch} steps = {epochs * steps_per_epoch} optimizer steps"
-
-
-def no_sync(model: torch.nn.Module, sync: bool):
-    """A context for one micro batch of gradient accumulation: gradients are reduced across workers only when
-    `sync` (the last micro batch of a step); DDP's no_sync, FSDP2's set_requires_gradient_sync."""
-    import contextlib
-
-    if sync:
-        return contextlib.nullcontext()
-    if hasattr(model, "no_sync"):
-        return model.no_sync()
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
-        model.set_requires_gradient_sync(False)
-        return _RestoreSync(model)
-    return contextlib.nullcontext()
-
-
-class _RestoreSync:
-    def __init__(self, model) -> None:
-        self.model = model
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.model.set_requires_gradient_sync(True)

@@ -1,17 +1,14 @@
 """The PreTrainer with a Hugging Face (or any PyTorch) model: data parallel, the fine-tuning accelerations,
 --train-iters iterations of --global-batch-size samples (gradient accumulation from the batch sizes),
-evaluation every --eval-interval, checkpoints every --save-interval with exact resume from --load (the layout
-and its guarantees: `checkpoint_hf.py`; the learning-rate schedule a resume continues: `resume_hf.py`).
+evaluation every --eval-interval, checkpoints every --save-interval with exact resume from --load, on the torch
+loop (`torch_loop.py`; the checkpoint layout and its guarantees: training/checkpoint/torch_dcp.py; the
+learning-rate schedule a resume continues: `resume_hf.py`).
 
 Batches come in Megatron's pretraining order (`PretrainingBatchSampler`: global batch k is samples
 [k*gbs, (k+1)*gbs), each worker its slice), so a resumed run reads exactly the samples the whole run would.
 """
 from __future__ import annotations
 
-import json
-import math
-import os
-import time
 from typing import Dict, List
 
 import torch
@@ -19,14 +16,9 @@ import torch.distributed as dist
 
 from megatron_patch.config.checkpoint_layout import TRACKER, CheckpointError
 
-from .checkpoint_hf import find_checkpoint, load_checkpoint, save_checkpoint
 from .globals import get_logger
-
-
-def _world() -> tuple:
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+from .reporting import LoopReporter, mean_over_workers
+from .torch_loop import IteratorBatches, Progress, Stop, TorchLoop, TrainStep, Validator
 
 
 class DynamicShape:
@@ -120,51 +112,15 @@ def check_not_parallel(cfg) -> None:
                           "e.g. megatron_patch.models.GPTModel()")
 
 
-# ---- the loop --------------------------------------------------------------------------------------------------
-class _Log:
-    """One line per --log-interval iterations, TensorBoard scalars and --metrics-file JSON lines, on rank 0."""
-
-    def __init__(self, args, rank: int) -> None:
-        self.args, self.rank, self.log = args, rank, get_logger()
-        self.writer = None
-        if rank == 0 and args.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(args.tensorboard_dir)
-        if rank == 0 and args.metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
-
-    def write(self, record: Dict) -> None:
-        if self.rank != 0:
-            return
-        if self.writer:
-            for k, v in record.items():
-                if k != "iteration" and isinstance(v, float) and math.isfinite(v):
-                    self.writer.add_scalar(f"{record.get('split', 'train')}/{k}", v, record["iteration"])
-        if self.args.metrics_file:
-            with open(self.args.metrics_file, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    def close(self) -> None:
-        if self.writer:
-            self.writer.close()
-
-
-def _mean(value: torch.Tensor) -> float:
-    value = value.detach().float().clone()
-    if dist.is_initialized():
-        dist.all_reduce(value)
-        value /= dist.get_world_size()
-    return value.item()
-
-
+# ---- the run: the torch loop's parts for a pretraining run ----------------------------------------------------
 def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
-    """Pretrain a Hugging Face/PyTorch `model` on `datasets` for cfg.train_iters iterations."""
-    from megatron_patch.accelerations import accelerate
+    """Pretrain a Hugging Face/PyTorch `model` on `datasets` for cfg.train_iters iterations on the torch loop
+    (templates/torch_loop.py); returns the record of every iteration and validation."""
+    from megatron_patch.accelerations import accelerate, mark_step, uses_cuda_graphs
+    from megatron_patch.training.checkpoint.torch_dcp import TorchCheckpointer, find_checkpoint
     from megatron_patch.training.data import build_iterator
 
     from . import resume_hf
-    from .finetuner import no_sync
     from .schedule import scheduler_for
 
     args, log = pretrainer.args, get_logger()
@@ -192,13 +148,13 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
     plan = resume_hf.plan(cfg, args.load, resume, own_scheduler=scheduler is not None)
     if scheduler is None:
         scheduler = scheduler_for(plan.schedule, optimizer)
-    rank, world = _world()
-    accum = cfg.num_microbatches
-    start = consumed = consumed_valid = 0
+    checkpointer = TorchCheckpointer(args.save, args.save_interval, plan.manifest_entries(cfg), log.info)
+    checkpointer.attach(model, optimizer, scheduler, precision)
+    progress = Progress()
     if resume is not None:
         built = resume_hf.group_settings(optimizer)  # this run's peak lr and weight decay, before loading
-        state = load_checkpoint(args.load, resume, model, optimizer, scheduler, precision)
-        start, consumed, consumed_valid = state["iteration"], state["consumed_samples"], state["consumed_valid_samples"]
+        state = checkpointer.load(args.load, resume)
+        progress = Progress(state["iteration"], 1, state["consumed_samples"], state["consumed_valid_samples"])
         if plan.schedule is not None:
             if plan.from_checkpoint:
                 peaks, decays = scheduler.base_lrs, state["weight_decay"] or [None] * len(built)
@@ -206,86 +162,46 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
                 peaks, decays = [p for p, _ in built], [d for _, d in built]
             resume_hf.continue_schedule(scheduler, optimizer, peaks, decays)
         notes = state["notes"] + ([plan.note] if plan.note else [])
-        log.info(f"resumed from {args.load} at iteration {start} ({consumed} training and {consumed_valid} validation "
-                 "samples read)" + "".join(f"; {note}" for note in notes))
+        log.info(f"resumed from {args.load} at iteration {progress.step} ({progress.consumed_samples} training and "
+                 f"{progress.consumed_valid_samples} validation samples read)" + "".join(f"; {n}" for n in notes))
+    world = pretrainer.engine.world_size
+    accum = cfg.num_microbatches
     log.info(f"training: {cfg.train_iters} iterations of {cfg.global_batch_size} samples ({cfg.micro_batch_size} per "
              f"worker x {world} worker(s) x {accum} accumulation): {cfg.train_iters * cfg.global_batch_size} of the "
              f"training dataset's {len(train_ds)} samples")
-    # the engine's iterators: Megatron's batch order over data-parallel ranks (here every worker), from `consumed`
-    train_iter = build_iterator(train_ds, cfg, consumed, cycle=False)
+    # the engine's iterators: Megatron's batch order over data-parallel ranks (here every worker), from the position
+    train_iter = build_iterator(train_ds, cfg, progress.consumed_samples, cycle=False)
     # validation walks on through its set from where the checkpoint left it, as the uninterrupted run does
-    valid_iter = build_iterator(valid_ds, cfg, consumed_valid, cycle=True) if cfg.eval_iters > 0 else None
+    valid_iter = build_iterator(valid_ds, cfg, progress.consumed_valid_samples, cycle=True) if cfg.eval_iters > 0 \
+        else None
     dynamic = args.data_iterator == "dynamic-shape"
     if dynamic:  # training only: validation batches stay fixed-shape, so their losses compare across runs
         # widths rounded to 64 tokens (--pad-to-multiple-of): each new batch shape costs the GPU a slow first
         # step (measured: ~100 vs ~400 samples/s on BERT-base), so few distinct widths pay
         train_iter = DynamicShape(train_iter, accum, cfg.micro_batch_size, cfg.seq_length,
                                   args.pad_to_multiple_of or 64)
-    reporter = _Log(args, rank)
-    history: List[Dict] = []
-    loss_sum, tick, since = torch.zeros((), device=device), time.perf_counter(), 0
-    model.train()
-    for iteration in range(start + 1, cfg.train_iters + 1):
-        micro_batches = train_iter.next_step() if dynamic else accum
-        weights = train_iter.weights if dynamic else [1.0 / accum] * accum
-        for micro in range(micro_batches):
-            with no_sync(model, micro == micro_batches - 1):
-                with precision.autocast():
-                    loss = pretrainer.run_forward_step(train_iter, model)
-                precision.backward(loss * weights[micro])
-            loss_sum += loss.detach().float() * weights[micro]
-        grad_norm, skipped = precision.step(optimizer, model, cfg.clip_grad)
-        optimizer.zero_grad(set_to_none=True)
-        lr = optimizer.param_groups[0]["lr"]
-        if not skipped:
-            scheduler.step()
-        since += 1
-        consumed += cfg.global_batch_size
-        record = {"iteration": iteration, "loss": _mean(loss_sum), "lr": lr,
-                  "grad_norm": float(grad_norm) if grad_norm is not None else float("nan"), "skipped": bool(skipped)}
-        loss_sum = torch.zeros((), device=device)
-        history.append(record)
-        if iteration % cfg.log_interval == 0 or iteration == cfg.train_iters:
-            elapsed = time.perf_counter() - tick
-            log.info(f"iteration {iteration}/{cfg.train_iters} | loss {record['loss']:.4f} | lr {lr:.3e} | grad norm "
-                     f"{record['grad_norm']:.3f} | {since * cfg.global_batch_size / elapsed:.1f} samples/s"
-                     + (" | step skipped (inf/nan gradients)" if skipped else "")
-                     + (f" | {train_iter.describe()}" if dynamic and iteration == cfg.train_iters else ""))
-            extra = {"samples_per_s": since * cfg.global_batch_size / elapsed}
-            if torch.cuda.is_available():
-                extra["max_memory_bytes"] = torch.cuda.max_memory_allocated()
-            if dynamic:
-                extra.update(real_tokens=train_iter.real, computed_tokens=train_iter.computed,
-                             fixed_tokens=train_iter.fixed)
-            reporter.write({**record, **extra})
-            tick, since = time.perf_counter(), 0
-        if valid_iter is not None and cfg.eval_interval and iteration % cfg.eval_interval == 0:
-            _validate(pretrainer, model, precision, valid_iter, cfg, iteration, reporter, history)
-            consumed_valid += cfg.eval_iters * cfg.global_batch_size  # what _validate read over all workers
-            tick = time.perf_counter()
-        if args.save and args.save_interval and iteration % args.save_interval == 0:
-            saved = save_checkpoint(args.save, iteration, model, optimizer, scheduler, precision, consumed,
-                                    consumed_valid, plan.manifest_entries(cfg))
-            log.info(f"saved checkpoint {saved}")
-            tick = time.perf_counter()
-    if args.save and (not args.save_interval or cfg.train_iters % args.save_interval) and start < cfg.train_iters:
-        saved = save_checkpoint(args.save, cfg.train_iters, model, optimizer, scheduler, precision, consumed,
-                                consumed_valid, plan.manifest_entries(cfg))
-        log.info(f"saved checkpoint {saved}")
+    reporter = LoopReporter(args, pretrainer.engine.rank, cfg.train_iters, "iteration")
+    if dynamic:
+        reporter.describe_data = lambda last: (f" | {train_iter.describe()}" if last else "",
+                                               dict(real_tokens=train_iter.real, computed_tokens=train_iter.computed,
+                                                    fixed_tokens=train_iter.fixed))
+
+    def evaluate(progress: Progress, when: str) -> Dict:
+        model.eval()
+        total, batches = 0.0, cfg.eval_iters * cfg.num_microbatches
+        with torch.no_grad(), precision.autocast():
+            for _ in range(batches):
+                total += mean_over_workers(pretrainer.run_forward_step(valid_iter, model))
+        model.train()
+        reporter.validation_loss(progress.step, total / batches, cfg.eval_iters)
+        progress.consumed_valid_samples += cfg.eval_iters * cfg.global_batch_size  # what it read over all workers
+        return {"loss": total / batches}
+
+    validator = Validator(evaluate, every=cfg.eval_interval if valid_iter is not None else 0)
+    step = TrainStep(model, optimizer, scheduler, precision, pretrainer.run_forward_step, cfg.clip_grad,
+                     mark_step if uses_cuda_graphs(args) else None)
+    data = IteratorBatches(train_iter, accum, cfg.global_batch_size, dynamic)
+    TorchLoop(model, step, data, Stop(steps=cfg.train_iters), validator, reporter, checkpointer).train(progress)
     reporter.close()
     pretrainer.model = model
-    return history
-
-
-def _validate(pretrainer, model, precision, valid_iter, cfg, iteration, reporter, history) -> None:
-    model.eval()
-    total = 0.0
-    with torch.no_grad(), precision.autocast():
-        for _ in range(cfg.eval_iters * cfg.num_microbatches):
-            total += _mean(pretrainer.run_forward_step(valid_iter, model))
-    model.train()
-    loss = total / (cfg.eval_iters * cfg.num_microbatches)
-    get_logger().info(f"validation at iteration {iteration} | loss {loss:.4f} (mean of {cfg.eval_iters} batches)")
-    record = {"iteration": iteration, "split": "validation", "loss": loss}
-    reporter.write(record)
-    history.append(record)
+    return reporter.history

@@ -1,6 +1,10 @@
-"""What a fine-tuning run tells its user: a progress bar, a loss line every --log-interval steps, one line per
-evaluation (`epoch N | validation accuracy 0.8730 | ...`), TensorBoard scalars under --tensorboard-dir and
-a JSON line per evaluation in --metrics-file. Rank 0 reports; the loss is averaged over all workers."""
+"""What the torch loop (templates/torch_loop.py) tells its user, on rank 0: a progress bar on a terminal, a line
+every --log-interval optimizer steps (the loss averaged over the steps since the last line and over all workers),
+one line per evaluation, TensorBoard scalars under --tensorboard-dir and JSON lines in --metrics-file.
+
+A run counts in its own unit: a fine-tuning run in steps of epochs (`step 30/90 | epoch 1 | loss ...`, and per
+evaluation `epoch 1 | validation accuracy 0.8730 | ...`), a pretraining run in iterations (`iteration 30/90 |
+loss ...`, a JSON line per logged iteration, `validation at iteration 30 | loss ...`)."""
 from __future__ import annotations
 
 import contextlib
@@ -9,7 +13,7 @@ import math
 import os
 import sys
 import time
-from typing import Dict
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,13 +27,27 @@ def _format(value) -> str:
     return str(value)
 
 
-class MetricsReporter:
-    def __init__(self, args, rank: int) -> None:
-        self.args, self.rank = args, rank
+def mean_over_workers(value: torch.Tensor) -> float:
+    """The mean of `value` over all workers (collective)."""
+    value = value.detach().float().clone()
+    if dist.is_initialized():
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value.item()
+
+
+class LoopReporter:
+    """`unit` "step" (fine-tuning: epochs) or "iteration" (pretraining); `total` optimizer steps of the run.
+    `history` keeps every step's record (loss over all workers, lr, gradient norm) and every validation's."""
+
+    def __init__(self, args, rank: int, total: int, unit: str, epochs: Optional[int] = None) -> None:
+        self.args, self.rank, self.total, self.unit, self.epochs = args, rank, total, unit, epochs
         self.log = get_logger()
-        self._loss_sum = None
-        self._loss_count = 0
+        self.history: List[Dict] = []
+        self.describe_data = None  # a callable giving extra words and record entries (dynamic-shape's padding)
+        self._losses: List[float] = []
         self._samples = 0
+        self._bar = None
         self._tick = time.perf_counter()
         self.writer = None
         if rank == 0 and args.tensorboard_dir:
@@ -40,62 +58,89 @@ class MetricsReporter:
             os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
 
     @contextlib.contextmanager
-    def progress(self, total: int, desc: str):
+    def epoch(self, progress, steps: Optional[int]):
+        """A progress bar over the epoch's steps on a terminal; a log file gets the --log-interval lines only."""
         from tqdm import tqdm
 
-        # a bar on a terminal; a log file gets the --log-interval lines only
-        bar = tqdm(total=total, desc=desc, unit="step", disable=self.rank != 0 or not sys.stderr.isatty(), file=sys.stderr,
-                   dynamic_ncols=True, mininterval=1.0, leave=False)
+        left = self.total - progress.step
+        desc = f"epoch {progress.epoch}/{self.epochs}" if self.epochs else "training"
+        self._bar = tqdm(total=min(steps, left) if steps else left, desc=desc, unit=self.unit, file=sys.stderr,
+                         disable=self.rank != 0 or not sys.stderr.isatty(), dynamic_ncols=True, mininterval=1.0,
+                         leave=False)
         try:
-            yield bar
+            yield self._bar
         finally:
-            bar.close()
+            self._bar.close()
+            self._bar = None
 
-    def add_loss(self, loss: torch.Tensor, batch) -> None:
-        # a copy: under CUDA graphs `loss` is a graph output that the next step overwrites
-        self._loss_sum = loss.float().clone() if self._loss_sum is None else self._loss_sum + loss.float()
-        self._loss_count += 1
-        first = next(iter(batch.values())) if hasattr(batch, "values") else batch[0]
-        self._samples += int(first.shape[0]) if hasattr(first, "shape") else 0
-
-    def step(self, step: int, total: int, epoch: int, lr: float, grad_norm, skipped: bool) -> None:
-        if step % self.args.log_interval and step != total:
-            return
-        loss = self._loss_sum / max(1, self._loss_count)
-        samples = torch.tensor(float(self._samples), device=loss.device)
-        if dist.is_initialized():
-            dist.all_reduce(loss)
-            loss /= dist.get_world_size()
-            dist.all_reduce(samples)
-        elapsed = time.perf_counter() - self._tick
-        grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
-        if self.rank == 0:
-            self.log.info(f"step {step}/{total} | epoch {epoch} | loss {loss.item():.4f} | lr {lr:.3e} | grad norm "
-                          f"{grad_norm:.3f} | {samples.item() / elapsed:.1f} samples/s"
-                          + (" | step skipped (inf/nan gradients, loss scale lowered)" if skipped else ""))
-            if self.writer:
-                self.writer.add_scalar("train/loss", loss.item(), step)
-                self.writer.add_scalar("train/lr", lr, step)
-                if math.isfinite(grad_norm):
-                    self.writer.add_scalar("train/grad_norm", grad_norm, step)
-        self._loss_sum, self._loss_count, self._samples = None, 0, 0
+    def restart_clock(self) -> None:
         self._tick = time.perf_counter()
 
+    def train_step(self, progress, result, samples: int) -> None:
+        """Record one optimizer step (`samples`: over all workers); a line every --log-interval steps and at the
+        last."""
+        step = progress.step
+        record = {"iteration": step, "loss": mean_over_workers(result.loss), "lr": result.lr,
+                  "grad_norm": result.grad_norm if result.grad_norm is not None else float("nan"),
+                  "skipped": result.skipped}
+        self.history.append(record)
+        self._losses.append(record["loss"])
+        self._samples += samples
+        if self._bar is not None:
+            self._bar.update(1)
+        if step % self.args.log_interval and step != self.total:
+            return
+        elapsed = time.perf_counter() - self._tick
+        loss = sum(self._losses) / len(self._losses)
+        extra = {"samples_per_s": self._samples / elapsed}
+        if torch.cuda.is_available():
+            extra["max_memory_bytes"] = torch.cuda.max_memory_allocated()
+        words, entries = self.describe_data(step == self.total) if self.describe_data else ("", {})
+        extra.update(entries)
+        where = (f"step {step}/{self.total} | epoch {progress.epoch}" if self.unit == "step"
+                 else f"iteration {step}/{self.total}")
+        if self.rank == 0:
+            self.log.info(f"{where} | loss {loss:.4f} | lr {result.lr:.3e} | grad norm {record['grad_norm']:.3f} | "
+                          f"{extra['samples_per_s']:.1f} samples/s"
+                          + (" | step skipped (inf/nan gradients, loss scale lowered)" if result.skipped else "")
+                          + words)
+            self._scalars("train", dict(record, loss=loss, **extra), step)
+            if self.unit == "iteration":  # a fine-tuning run's --metrics-file holds its evaluations only
+                self._write(dict(record, loss=loss, **extra))
+        self._losses, self._samples = [], 0
+        self.restart_clock()
+
     def evaluation(self, epoch: int, step: int, split: str, metrics: Dict, in_epoch: bool = False) -> None:
-        """One line (and a JSON line, TensorBoard scalars) per evaluation; `in_epoch`: one of --eval-interval's,
-        which names its step too."""
+        """One line (and a JSON line, TensorBoard scalars) per evaluation of a fine-tuning run; `in_epoch`: one of
+        --eval-interval's, which names its step too."""
         if self.rank != 0 or not metrics:
             return
         values = {k: (float(v) if isinstance(v, (int, float)) or torch.is_tensor(v) else v) for k, v in metrics.items()}
         where = f"epoch {epoch} step {step}" if in_epoch else f"epoch {epoch}"
         self.log.info(f"{where} | " + " | ".join(f"{split} {k} {_format(v)}" for k, v in values.items()))
+        self._scalars(split, values, step)
+        self._write({"epoch": epoch, "step": step, "split": split, **values})
+
+    def validation_loss(self, iteration: int, loss: float, batches: int) -> None:
+        """The validation loss of a pretraining run (averaged over `batches` global batches and all workers)."""
+        record = {"iteration": iteration, "split": "validation", "loss": loss}
+        self.history.append(record)
+        if self.rank != 0:
+            return
+        self.log.info(f"validation at iteration {iteration} | loss {loss:.4f} (mean of {batches} batches)")
+        self._scalars("validation", record, iteration)
+        self._write(record)
+
+    def _scalars(self, split: str, values: Dict, step: int) -> None:
         if self.writer:
             for k, v in values.items():
-                if isinstance(v, float):
+                if k not in ("iteration", "step", "epoch") and isinstance(v, float) and math.isfinite(v):
                     self.writer.add_scalar(f"{split}/{k}", v, step)
+
+    def _write(self, record: Dict) -> None:
         if self.args.metrics_file:
             with open(self.args.metrics_file, "a") as f:
-                f.write(json.dumps({"epoch": epoch, "step": step, "split": split, **values}) + "\n")
+                f.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
         if self.writer:

@@ -6,17 +6,7 @@ import os
 import torch
 import torch.distributed as dist
 
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's model inside DDP (`module`), torch.compile (`_orig_mod`) and ORTModule (`_original_module`)."""
-    while True:
-        for attr in ("module", "_orig_mod", "_original_module"):
-            inner = getattr(model, attr, None)
-            if isinstance(inner, torch.nn.Module):
-                model = inner
-                break
-        else:
-            return model
+from megatron_patch.accelerations.data_parallel import unwrap  # noqa: F401  (re-exported: the tasks use it)
 
 
 def full_state_dict(model: torch.nn.Module) -> dict:

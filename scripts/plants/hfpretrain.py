@@ -8,72 +8,56 @@ EQUALIZE = T + "test_dynamic_shape_splits_micro_batches_equally_across_two_worke
 
 PLANTS = [
     dict(name="hf-validation-position-not-restored", file="megatron_patch/templates/pretrain_hf.py",
-         original="build_iterator(valid_ds, cfg, consumed_valid, cycle=True)",
+         original="build_iterator(valid_ds, cfg, progress.consumed_valid_samples, cycle=True)",
          replacement="build_iterator(valid_ds, cfg, 0, cycle=True)",
          property="a resumed HF PreTrainer run evaluates the validation samples the uninterrupted run evaluates",
          tests=[RESUME]),
     dict(name="hf-validation-position-miscounted", file="megatron_patch/templates/pretrain_hf.py",
-         original="consumed_valid += cfg.eval_iters * cfg.global_batch_size",
-         replacement="consumed_valid += cfg.eval_iters * cfg.micro_batch_size",
+         original="progress.consumed_valid_samples += cfg.eval_iters * cfg.global_batch_size",
+         replacement="progress.consumed_valid_samples += cfg.eval_iters * cfg.micro_batch_size",
          property="the checkpoint records how many validation samples the evaluations read over all workers",
          tests=[RESUME, OTHER_WORLD]),
-    dict(name="hf-manifest-written-before-the-shards", file="megatron_patch/templates/checkpoint_hf.py",
-         original="""    model_sd, optim_sd = _state_dicts(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"))
-    torch.save(rng.capture(), _rank_file(tmp, rank))
-    if rank == 0:
-        # the weight decay of each param group as this worker's optimizer applies it (a ZeRO-1 wrapper's groups,
-        # not its local shard's): what --use-checkpoint-opt-param-scheduler restores
-        torch.save({"scheduler": scheduler.state_dict(), "scaler": precision.state_dict(),
-                    "weight_decay": [g.get("weight_decay") for g in optimizer.param_groups]},
-                   os.path.join(tmp, TRAIN_STATE))
+    dict(name="hf-manifest-written-before-the-shards", file="megatron_patch/training/checkpoint/atomic.py",
+         original="""    write_files(tmp)
     _barrier()  # every worker's files are written: the manifest's inventory covers them
     if rank == 0:
-        directory.write_manifest(tmp, manifest)
-        directory.publish(tmp, root, iteration)
+        directory.write_manifest(tmp, manifest())
 """,
          replacement="""    if rank == 0:
-        directory.write_manifest(tmp, manifest)
-    model_sd, optim_sd = _state_dicts(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"))
-    torch.save(rng.capture(), _rank_file(tmp, rank))
-    if rank == 0:
-        torch.save({"scheduler": scheduler.state_dict(), "scaler": precision.state_dict(),
-                    "weight_decay": [g.get("weight_decay") for g in optimizer.param_groups]},
-                   os.path.join(tmp, TRAIN_STATE))
+        directory.write_manifest(tmp, manifest())
+    write_files(tmp)
     _barrier()
     if rank == 0:
-        directory.publish(tmp, root, iteration)
 """,
          property="the manifest is written last, so its inventory lists every file of the checkpoint with its size "
                   "(written first, it lists none: a missing shard goes unnoticed)",
          tests=[RESUME]),
-    dict(name="hf-no-fallback-to-a-complete-checkpoint", file="megatron_patch/templates/checkpoint_hf.py",
+    dict(name="hf-no-fallback-to-a-complete-checkpoint", file="megatron_patch/training/checkpoint/torch_dcp.py",
          original="    return directory.select_checkpoint(root)\n",
          replacement="    return directory.read_tracker(root), []\n",
          property="a missing or truncated file makes --load fall back to the newest complete checkpoint",
          tests=[RESUME, REFUSALS]),
-    dict(name="hf-rng-restore-skipped", file="megatron_patch/templates/checkpoint_hf.py",
+    dict(name="hf-rng-restore-skipped", file="megatron_patch/training/checkpoint/torch_dcp.py",
          original="        rng.restore(_load_file(_rank_file(path, rank)))\n",
          replacement="        _load_file(_rank_file(path, rank))\n",
          property="a resumed run draws the uninterrupted run's random numbers (dropout)",
          tests=[RESUME]),
-    dict(name="hf-scheduler-restore-skipped", file="megatron_patch/templates/checkpoint_hf.py",
+    dict(name="hf-scheduler-restore-skipped", file="megatron_patch/training/checkpoint/torch_dcp.py",
          original='    scheduler.load_state_dict(train_state["scheduler"])\n',
          replacement="    scheduler.load_state_dict(scheduler.state_dict())\n",
          property="a resumed run continues the learning-rate schedule where the checkpoint left it",
          tests=[RESUME]),
-    dict(name="hf-rank-files-load-with-pickle", file="megatron_patch/templates/checkpoint_hf.py",
+    dict(name="hf-rank-files-load-with-pickle", file="megatron_patch/training/checkpoint/torch_dcp.py",
          original="        return torch.load(path, weights_only=True)\n",
          replacement="        return torch.load(path, weights_only=False)\n",
          property="loading a checkpoint never runs code it contains (weights_only=True)",
          tests=[REFUSALS]),
-    dict(name="hf-optimizer-state-not-flat", file="megatron_patch/templates/checkpoint_hf.py",
+    dict(name="hf-optimizer-state-not-flat", file="megatron_patch/training/checkpoint/torch_dcp.py",
          original="options=StateDictOptions(flatten_optimizer_state_dict=True))\n\n\ndef save_checkpoint",
          replacement="options=StateDictOptions(flatten_optimizer_state_dict=False))\n\n\ndef save_checkpoint",
          property="ZeRO-1 optimizer shards saved by 2 workers resume on 1 worker (one entry per parameter name)",
          tests=[OTHER_WORLD]),
-    dict(name="hf-empty-param-group-not-hidden", file="megatron_patch/templates/checkpoint_hf.py",
+    dict(name="hf-empty-param-group-not-hidden", file="megatron_patch/training/checkpoint/torch_dcp.py",
          original="    with _without_empty_groups(_local_optimizer(optimizer)) as optim:\n",
          replacement="    with contextlib.nullcontext(_local_optimizer(optimizer)) as optim:\n",
          property="a ZeRO-1 worker whose local optimizer has an empty param group resumes (DCP's set_state_dict "

@@ -2,9 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import pickle
-import shutil
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -20,6 +18,7 @@ from megatron_patch.config.checkpoint_layout import CheckpointError, checkpoint_
 from megatron_patch.config.resume import check_schedule, layout, restores
 
 from . import fsdp_dtensor, torch_dist
+from .atomic import write_checkpoint
 
 BACKENDS = {torch_dist.FORMAT: torch_dist, fsdp_dtensor.FORMAT: fsdp_dtensor}
 
@@ -76,25 +75,15 @@ class Checkpointer:
         `root`: write under this directory instead, which becomes --save later (a conversion's staging
         directory, renamed once verified); the stored configuration still names --save."""
         root = root or self.cfg.save
-        final = checkpoint_dir(root, state.iteration)
-        tmp = final + ".tmp"
-        if dist.get_rank() == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-            os.makedirs(tmp)
-        dist.barrier()
-        self.backend.save(tmp, self.model, self.optimizer, consume_model=consume_model)
-        dist.barrier()
-        if dist.get_rank() == 0:
-            model_only = self.optimizer is None
-            directory.write_manifest(tmp, {
-                **dataclasses.asdict(state), "format": self.format, "layout": layout(self.cfg),
-                "contents": ["model"] if model_only else ["model", "optimizer", "rng", "scheduler"],
-                "scheduler": None if model_only else self.scheduler.state_dict(),
-                "config": self.cfg.to_flat(), "model": self.model_info, "versions": _versions()})
-            directory.publish(tmp, root, state.iteration)  # iter_N.tmp -> iter_N, then the tracker
-            if self.cfg.keep_last_n:
-                directory.prune(root, self.cfg.keep_last_n)
-        dist.barrier()
+        model_only = self.optimizer is None
+        final = write_checkpoint(
+            root, state.iteration,
+            lambda tmp: self.backend.save(tmp, self.model, self.optimizer, consume_model=consume_model),
+            lambda: {**dataclasses.asdict(state), "format": self.format, "layout": layout(self.cfg),
+                     "contents": ["model"] if model_only else ["model", "optimizer", "rng", "scheduler"],
+                     "scheduler": None if model_only else self.scheduler.state_dict(),
+                     "config": self.cfg.to_flat(), "model": self.model_info, "versions": _versions()},
+            self.cfg.keep_last_n)
         self.last_saved = state.iteration
         _print0(f"saved checkpoint {final}")
         return final

@@ -1,12 +1,13 @@
-"""Checkpoints of the PreTrainer with a Hugging Face/PyTorch model (`pretrain_hf.py`), with the engine's rules
-(`megatron_patch.config.checkpoint_layout`):
+"""Backend of the torch loop's checkpoints (a Hugging Face/PyTorch model: DDP, ZeroRedundancyOptimizer, FSDP2),
+with the engine's rules (`megatron_patch.config.checkpoint_layout`: the tracker, the manifest written last, atomic
+publication), and `TorchCheckpointer`, the component that decides when to save:
 
     {save}/latest_checkpointed_iteration.txt   the tracker: the newest published iteration
     {save}/iter_0000100/dcp/                   model and optimizer, torch.distributed.checkpoint, keyed by
                                                parameter name (FSDP2 shards and ZeRO-1 shards included)
     {save}/iter_0000100/train_state.pt         lr scheduler state, the param groups' weight decay and the
                                                loss scaler (the same on every worker)
-    {save}/iter_0000100/rank_00000.pt          each worker's random streams (training/checkpoint/rng.py)
+    {save}/iter_0000100/rank_00000.pt          each worker's random streams (the engine's capture: rng.py)
     {save}/iter_0000100/checkpoint.json        written last: iteration, consumed training and validation
                                                samples, worker count, the settings of the lr schedule (as the
                                                engine stores them: config/resume.py compares them on resume),
@@ -16,6 +17,8 @@ Written into `iter_N.tmp/` and renamed once the manifest is in, then the tracker
 previous checkpoint or the new one complete. Loading takes the newest complete checkpoint (a missing or
 truncated file makes the tracker's one fall back, with a warning), and reads every file without running code:
 `torch.load(weights_only=True)` (RNG states are plain tensors and ints) and DCP through the safe-loading patches.
+The format ("hf_dcp") is the one the Hugging Face PreTrainer wrote before the torch loop existed
+(tests/data/hf_checkpoint_v1): those checkpoints load unchanged.
 
 Another worker count resumes through DCP's `get_state_dict`/`set_state_dict`: the optimizer state is saved
 flat, one entry per parameter name, so ZeroRedundancyOptimizer's shards (each worker's local optimizer over its
@@ -28,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import os
 import pickle
-import shutil
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -37,6 +39,8 @@ import torch.distributed as dist
 from megatron_patch.config.resume import HF_FORMAT
 from megatron_patch.config import checkpoint_layout as directory
 from megatron_patch.config.checkpoint_layout import CheckpointError, checkpoint_dir
+
+from .atomic import write_checkpoint
 
 FORMAT = HF_FORMAT
 LEGACY_TRACKER = "latest_iteration.txt"  # the tracker before this layout: rank files pickled numpy RNG state
@@ -47,11 +51,6 @@ def _world() -> Tuple[int, int]:
     if dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
 
 
 def _rank_file(path: str, rank: int) -> str:
@@ -91,7 +90,7 @@ def _state_dicts(model, optimizer):
     DCP reshards them to any worker count (a ZeRO-1 worker holds only the entries of its own parameters)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
-    from .saving import unwrap
+    from megatron_patch.accelerations.data_parallel import unwrap
 
     return get_state_dict(unwrap(model), _local_optimizer(optimizer),
                           options=StateDictOptions(flatten_optimizer_state_dict=True))
@@ -104,32 +103,25 @@ def save_checkpoint(root: str, iteration: int, model, optimizer, scheduler, prec
     global_batch_size; none for a scheduler of the user's own)."""
     import torch.distributed.checkpoint as dcp
 
-    from megatron_patch.training.checkpoint import rng
+    from . import rng
 
     rank, world = _world()
-    tmp = checkpoint_dir(root, iteration) + ".tmp"
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)  # left by a save that died
-        os.makedirs(tmp)
-    _barrier()
-    manifest = {"iteration": iteration, "consumed_samples": consumed_samples,
-                "consumed_valid_samples": consumed_valid_samples, "world_size": world, "format": FORMAT,
-                "versions": {"torch": torch.__version__}, **(schedule or {})}
-    model_sd, optim_sd = _state_dicts(model, optimizer)
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"))
-    torch.save(rng.capture(), _rank_file(tmp, rank))
-    if rank == 0:
-        # the weight decay of each param group as this worker's optimizer applies it (a ZeRO-1 wrapper's groups,
-        # not its local shard's): what --use-checkpoint-opt-param-scheduler restores
-        torch.save({"scheduler": scheduler.state_dict(), "scaler": precision.state_dict(),
-                    "weight_decay": [g.get("weight_decay") for g in optimizer.param_groups]},
-                   os.path.join(tmp, TRAIN_STATE))
-    _barrier()  # every worker's files are written: the manifest's inventory covers them
-    if rank == 0:
-        directory.write_manifest(tmp, manifest)
-        directory.publish(tmp, root, iteration)
-    _barrier()
-    return checkpoint_dir(root, iteration)
+
+    def write_files(tmp: str) -> None:
+        model_sd, optim_sd = _state_dicts(model, optimizer)
+        dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=os.path.join(tmp, "dcp"))
+        torch.save(rng.capture(), _rank_file(tmp, rank))
+        if rank == 0:
+            # the weight decay of each param group as this worker's optimizer applies it (a ZeRO-1 wrapper's
+            # groups, not its local shard's): what --use-checkpoint-opt-param-scheduler restores
+            torch.save({"scheduler": scheduler.state_dict(), "scaler": precision.state_dict(),
+                        "weight_decay": [g.get("weight_decay") for g in optimizer.param_groups]},
+                       os.path.join(tmp, TRAIN_STATE))
+
+    return write_checkpoint(root, iteration, write_files, lambda: {
+        "iteration": iteration, "consumed_samples": consumed_samples,
+        "consumed_valid_samples": consumed_valid_samples, "world_size": world, "format": FORMAT,
+        "versions": {"torch": torch.__version__}, **(schedule or {})})
 
 
 def find_checkpoint(root: str) -> Tuple[Optional[int], List[str]]:
@@ -167,9 +159,9 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, prec
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
     from megatron_patch.compat import apply_safe_loading, safe_loading
-    from megatron_patch.training.checkpoint import rng
+    from . import rng
 
-    from .saving import unwrap
+    from megatron_patch.accelerations.data_parallel import unwrap
 
     rank, world = _world()
     path = checkpoint_dir(root, iteration)
@@ -209,3 +201,40 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, prec
                      f"streams start from --seed (a worker's stream does not carry over to another worker count, so "
                      f"dropout draws differ from the uninterrupted run)")
     return dict(manifest, notes=notes, weight_decay=train_state.get("weight_decay"))
+
+
+class TorchCheckpointer:
+    """The torch loop's checkpoints under `save` (None: none are written), torchtitan-style: the loop calls
+    `save(progress)` after every step and `save(progress, stopping=True)` once it ends, and this decides: every
+    `interval` steps (0: only at the end), and when training stops unless that step is saved already or the run
+    trained no step. `attach()` hands it what it saves; `load()` resumes a checkpoint `find_checkpoint` chose.
+    `schedule`: the manifest's entries for the lr schedule in effect (see `save_checkpoint`)."""
+
+    def __init__(self, save: Optional[str], interval: int, schedule: Optional[Dict] = None, log=print) -> None:
+        self.root, self.interval, self.schedule, self.log = save, interval or 0, schedule, log
+        self.parts: Tuple = ()
+        self.last_saved: Optional[int] = None
+        self.start = 0  # the step this run started from (a resumed run's checkpoint)
+
+    def attach(self, model, optimizer, scheduler, precision) -> None:
+        self.parts = (model, optimizer, scheduler, precision)
+
+    def load(self, root: str, iteration: int) -> Dict:
+        """Restore checkpoint `iteration` of `root` into the attached parts (see `load_checkpoint`)."""
+        state = load_checkpoint(root, iteration, *self.parts)
+        self.start, self.last_saved = iteration, (iteration if root == self.root else None)
+        return state
+
+    def save(self, progress, stopping: bool = False) -> Optional[str]:
+        """Write a checkpoint of `progress` (its step, consumed_samples, consumed_valid_samples) when it is time;
+        collective. Returns its directory, or None when nothing was written."""
+        if not self.root or progress.step == self.last_saved:
+            return None
+        due = progress.step > self.start if stopping else bool(self.interval and progress.step % self.interval == 0)
+        if not due:  # (stopping: a resumed run that had nothing left to train saves nothing)
+            return None
+        saved = save_checkpoint(self.root, progress.step, *self.parts, progress.consumed_samples,
+                                progress.consumed_valid_samples, self.schedule)
+        self.last_saved = progress.step
+        self.log(f"saved checkpoint {saved}")
+        return saved

@@ -1,0 +1,228 @@
+"""The one training loop of Hugging Face and plain PyTorch models: the Finetuner (epochs) and the PreTrainer with a
+Hugging Face model (iterations) both run `TorchLoop.train()`; Megatron models run on the engine's loop
+(training/loop.py).
+
+`train()` stays a short loop because each part owns its decisions (torchtitan-style):
+- `TrainStep`: one optimizer step. Each micro batch goes through the user's forward hook under autocast, its loss
+  times its weight (1/accumulation, or dynamic-shape's share of the step's samples) is back-propagated, and the
+  gradients are reduced across workers on the last micro batch only (`no_sync`); then the precision wrapper
+  unscales, clips and steps, and the lr scheduler steps (not after a step fp16 skipped).
+- a data source, which yields each step's micro batches: `EpochBatches` walks a DataLoader epoch by epoch (a new
+  order each epoch); `IteratorBatches` draws from an endless iterator (Megatron's pretraining order) in one epoch.
+- `Stop`: the stop rules, a number of optimizer steps and/or of epochs.
+- `Validator`: when to evaluate (before training, every N steps, after every epoch; never twice at one step).
+- a checkpointer (`training.checkpoint.torch_dcp.TorchCheckpointer`) whose `save(progress, stopping)` decides when.
+- `LoopReporter` (templates/reporting.py): log lines, TensorBoard scalars, --metrics-file.
+"""
+from __future__ import annotations
+
+import contextlib
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+
+@dataclass
+class Progress:
+    """Where training stands: what the checkpointer saves and the stop rules read."""
+    step: int = 0  # optimizer steps done
+    epoch: int = 1  # the epoch under way (from 1)
+    consumed_samples: int = 0  # training samples, over all workers
+    consumed_valid_samples: int = 0  # validation samples, so evaluation walks on through its set
+
+
+@dataclass
+class StepResult:
+    loss: torch.Tensor  # this worker's loss of the step: the micro batches' losses, weighted
+    lr: float  # the learning rate the step used
+    grad_norm: Optional[float]
+    skipped: bool  # fp16: inf/nan gradients, the step was skipped and the loss scale lowered
+
+
+def no_sync(model: torch.nn.Module, sync: bool):
+    """A context for one micro batch of gradient accumulation: gradients are reduced across workers only when
+    `sync` (the last micro batch of a step); DDP's no_sync, FSDP2's set_requires_gradient_sync."""
+    if sync:
+        return contextlib.nullcontext()
+    if hasattr(model, "no_sync"):
+        return model.no_sync()
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP2
+        model.set_requires_gradient_sync(False)
+        return _RestoreSync(model)
+    return contextlib.nullcontext()
+
+
+class _RestoreSync:
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.model.set_requires_gradient_sync(True)
+
+
+class TrainStep:
+    """One optimizer step over a step's micro batches. `forward(input, model)` is the user's hook (its input: a
+    batch, or the iterator it draws from); `before_forward` runs before each (CUDA graphs' mark_step)."""
+
+    def __init__(self, model, optimizer, scheduler, precision, forward: Callable, clip_grad: float,
+                 before_forward: Optional[Callable] = None) -> None:
+        self.model, self.optimizer, self.scheduler, self.precision = model, optimizer, scheduler, precision
+        self.forward, self.clip_grad, self.before_forward = forward, clip_grad, before_forward
+
+    def __call__(self, inputs: Iterable, weights: Sequence[float]) -> StepResult:
+        model, precision = self.model, self.precision
+        total: Optional[torch.Tensor] = None
+        last = len(weights) - 1
+        for micro, (arg, weight) in enumerate(zip(inputs, weights)):
+            if self.before_forward is not None:
+                self.before_forward()
+            with no_sync(model, micro == last):
+                with precision.autocast():
+                    loss = self.forward(arg, model)
+                precision.backward(loss * weight)
+            # a copy: under CUDA graphs `loss` is a graph output that the next step overwrites
+            weighted = loss.detach().float() * weight
+            total = weighted if total is None else total + weighted
+        grad_norm, skipped = precision.step(self.optimizer, model, self.clip_grad)
+        self.optimizer.zero_grad(set_to_none=True)
+        lr = self.optimizer.param_groups[0]["lr"]
+        if not skipped:
+            self.scheduler.step()
+        return StepResult(total, lr, float(grad_norm) if grad_norm is not None else None, bool(skipped))
+
+
+class EpochBatches:
+    """A DataLoader walked epoch by epoch: each step takes `accum` micro batches, an epoch has len(loader) // accum
+    steps (a trailing part of an accumulation is not a step), and the sampler reshuffles every epoch."""
+
+    def __init__(self, loader, accum: int, world: int) -> None:
+        self.loader, self.accum, self.world = loader, accum, world
+        self.steps_per_epoch = max(1, len(loader) // accum)
+        self.samples = 0  # this worker's samples of the step under way
+
+    def epoch(self, progress: Progress) -> Iterator[Tuple[Iterable, List[float]]]:
+        if hasattr(self.loader.sampler, "set_epoch"):
+            self.loader.sampler.set_epoch(progress.epoch)
+        batches = iter(self.loader)
+        for step in range(self.steps_per_epoch):
+            count = min(self.accum, len(self.loader) - step * self.accum)
+            self.samples = 0
+            yield self._counted(batches, count), [1.0 / self.accum] * count
+
+    def _counted(self, batches: Iterator, count: int) -> Iterator:
+        for batch in itertools.islice(batches, count):  # drawn one at a time, as the forward asks
+            first = next(iter(batch.values())) if hasattr(batch, "values") else batch[0]
+            self.samples += int(first.shape[0]) if hasattr(first, "shape") else 0
+            yield batch
+
+    def step_samples(self) -> int:
+        """The samples of the step just taken, over all workers (each worker's share is the same size)."""
+        return self.samples * self.world
+
+
+class IteratorBatches:
+    """Micro batches from one endless iterator that the forward hook draws from: `accum` per step, or as many as
+    dynamic-shape (`DynamicShape.next_step`) cuts the step's samples into, weighted by their share."""
+
+    def __init__(self, iterator, accum: int, global_batch_size: int, dynamic: bool = False) -> None:
+        self.iterator, self.accum, self.global_batch_size, self.dynamic = iterator, accum, global_batch_size, dynamic
+        self.steps_per_epoch = None  # one epoch: the stop rule counts steps
+
+    def epoch(self, progress: Progress) -> Iterator[Tuple[Iterable, List[float]]]:
+        while True:
+            if self.dynamic:
+                count = self.iterator.next_step()
+                weights = list(self.iterator.weights)
+            else:
+                count, weights = self.accum, [1.0 / self.accum] * self.accum
+            yield itertools.repeat(self.iterator, count), weights
+
+    def step_samples(self) -> int:
+        return self.global_batch_size
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The stop rules: after `steps` optimizer steps, or at the end of epoch `epochs` (None: no such rule)."""
+    steps: Optional[int] = None
+    epochs: Optional[int] = None
+
+    def done(self, progress: Progress, epoch_over: bool = False) -> bool:
+        if self.steps is not None and progress.step >= self.steps:
+            return True
+        return epoch_over and self.epochs is not None and progress.epoch >= self.epochs
+
+
+class Validator:
+    """When to evaluate: before training (`at_start`), every `every` optimizer steps, after every epoch
+    (`each_epoch`), never twice at one step. `evaluate(progress, when)` ("start", "step" or "epoch") runs one
+    evaluation and reports it; `last` holds the newest result of one during training."""
+
+    def __init__(self, evaluate: Callable[[Progress, str], Dict], every: int = 0, at_start: bool = False,
+                 each_epoch: bool = False) -> None:
+        self.evaluate, self.every, self.at_start, self.each_epoch = evaluate, every or 0, at_start, each_epoch
+        self.last: Dict = {}
+        self.evaluated = -1  # the step of the newest evaluation during training
+
+    def start(self, progress: Progress) -> bool:
+        if self.at_start:
+            self.evaluate(progress, "start")
+        return self.at_start
+
+    def after_step(self, progress: Progress) -> bool:
+        if self.every and progress.step % self.every == 0:
+            return self._run(progress, "step")
+        return False
+
+    def after_epoch(self, progress: Progress) -> bool:
+        if self.each_epoch and self.evaluated != progress.step:  # unless just evaluated
+            return self._run(progress, "epoch")
+        return False
+
+    def _run(self, progress: Progress, when: str) -> bool:
+        self.last, self.evaluated = self.evaluate(progress, when), progress.step
+        return True
+
+
+class NoCheckpoints:
+    """A run that writes no checkpoints (the Finetuner saves the trained model with save_pretrained instead)."""
+
+    def save(self, progress: Progress, stopping: bool = False) -> None:
+        return None
+
+
+class TorchLoop:
+    """Train until a stop rule says so: each step through `step`, then the reporter, the validator and the
+    checkpointer decide what else happens."""
+
+    def __init__(self, model: torch.nn.Module, step: TrainStep, data, stop: Stop, validator: Validator, reporter,
+                 checkpointer: Any = None) -> None:
+        self.model, self.step, self.data, self.stop = model, step, data, stop
+        self.validator, self.reporter = validator, reporter
+        self.checkpointer = checkpointer or NoCheckpoints()
+
+    def train(self, progress: Progress) -> Progress:
+        self.validator.start(progress)
+        self.model.train()  # from_pretrained returns a model in eval mode: dropout off, and ORT would export inference
+        while not self.stop.done(progress):
+            with self.reporter.epoch(progress, self.data.steps_per_epoch):
+                for inputs, weights in self.data.epoch(progress):
+                    result = self.step(inputs, weights)
+                    progress.step += 1
+                    progress.consumed_samples += self.data.step_samples()
+                    self.reporter.train_step(progress, result, self.data.step_samples())
+                    if self.validator.after_step(progress) | bool(self.checkpointer.save(progress)):
+                        self.reporter.restart_clock()  # samples/s counts training only
+                    if self.stop.done(progress):
+                        break
+            self.validator.after_epoch(progress)
+            if self.stop.done(progress, epoch_over=True):
+                break
+            progress.epoch += 1
+        self.checkpointer.save(progress, stopping=True)
+        return progress
