@@ -170,10 +170,11 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
              f"worker x {world} worker(s) x {accum} accumulation): {cfg.train_iters * cfg.global_batch_size} of the "
              f"training dataset's {len(train_ds)} samples")
     # the engine's iterators: Megatron's batch order over data-parallel ranks (here every worker), from the position
-    train_iter = build_iterator(train_ds, cfg, progress.consumed_samples, cycle=False)
+    readers = (pretrainer.engine.rank, world)  # every worker reads (no tensor or pipeline parallelism)
+    train_iter = build_iterator(train_ds, cfg, progress.consumed_samples, cycle=False, data_parallel=readers)
     # validation walks on through its set from where the checkpoint left it, as the uninterrupted run does
-    valid_iter = build_iterator(valid_ds, cfg, progress.consumed_valid_samples, cycle=True) if cfg.eval_iters > 0 \
-        else None
+    valid_iter = build_iterator(valid_ds, cfg, progress.consumed_valid_samples, cycle=True,
+                                data_parallel=readers) if cfg.eval_iters > 0 else None
     dynamic = args.data_iterator == "dynamic-shape"
     if dynamic:  # training only: validation batches stay fixed-shape, so their losses compare across runs
         # widths rounded to 64 tokens (--pad-to-multiple-of): each new batch shape costs the GPU a slow first

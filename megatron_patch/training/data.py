@@ -76,15 +76,21 @@ class PretrainingBatchSampler:
             yield list(range(first, first + self.mbs))
 
 
-def build_iterator(dataset, cfg: Config, consumed_samples: int = 0, cycle: bool = False) -> Optional[Iterator]:
-    """Micro batches (dicts of tensors) of this DP rank; `cycle` restarts at the end (evaluation)."""
+def build_iterator(dataset, cfg: Config, consumed_samples: int = 0, cycle: bool = False,
+                   data_parallel: Optional[Tuple[int, int]] = None) -> Optional[Iterator]:
+    """Micro batches (dicts of tensors) of this DP rank; `cycle` restarts at the end (evaluation).
+    `data_parallel`: (rank, size) of this worker among the readers; default megatron-core's data-parallel group
+    (the torch loop passes its workers: it needs no megatron-core parallel state)."""
     import torch
-    from megatron.core import parallel_state as mpu
 
     if dataset is None:
         return None
+    if data_parallel is None:
+        from megatron.core import parallel_state as mpu
+
+        data_parallel = mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size()
     sampler = PretrainingBatchSampler(len(dataset), consumed_samples % len(dataset) if cycle else consumed_samples,
-                                      cfg.micro_batch_size, mpu.get_data_parallel_rank(), mpu.get_data_parallel_world_size())
+                                      cfg.micro_batch_size, *data_parallel)
     # Its own generator: a DataLoader draws its workers' base seed when an iterator starts, and from the
     # global generator that would shift the dropout stream of a resumed run (which starts its iterator later).
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=sampler, num_workers=cfg.num_workers,

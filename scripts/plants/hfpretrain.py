@@ -8,8 +8,8 @@ EQUALIZE = T + "test_dynamic_shape_splits_micro_batches_equally_across_two_worke
 
 PLANTS = [
     dict(name="hf-validation-position-not-restored", file="megatron_patch/templates/pretrain_hf.py",
-         original="build_iterator(valid_ds, cfg, progress.consumed_valid_samples, cycle=True)",
-         replacement="build_iterator(valid_ds, cfg, 0, cycle=True)",
+         original="build_iterator(valid_ds, cfg, progress.consumed_valid_samples, cycle=True,",
+         replacement="build_iterator(valid_ds, cfg, 0, cycle=True,",
          property="a resumed HF PreTrainer run evaluates the validation samples the uninterrupted run evaluates",
          tests=[RESUME]),
     dict(name="hf-validation-position-miscounted", file="megatron_patch/templates/pretrain_hf.py",

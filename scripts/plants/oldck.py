@@ -17,8 +17,8 @@ PLANTS = [
          property="an HF PreTrainer checkpoint written by an earlier version continues exactly (dropout streams)",
          tests=["tests/test_old_checkpoints.py -k hf"]),
     dict(name="old-hf-checkpoint-validation-from-0", file="megatron_patch/templates/pretrain_hf.py",
-         original="build_iterator(valid_ds, cfg, progress.consumed_valid_samples, cycle=True)",
-         replacement="build_iterator(valid_ds, cfg, 0, cycle=True)",
+         original="build_iterator(valid_ds, cfg, progress.consumed_valid_samples, cycle=True,",
+         replacement="build_iterator(valid_ds, cfg, 0, cycle=True,",
          property="an HF PreTrainer checkpoint written by an earlier version continues its validation walk",
          tests=["tests/test_old_checkpoints.py -k hf"]),
 ]
