@@ -24,7 +24,7 @@ from .reporting import LoopReporter
 from .saving import save_pretrained
 from .schedule import build_scheduler
 from .shape_flags import check_shape_flags
-from .torch_loop import EpochBatches, Progress, Stop, TorchLoop, TrainStep, Validator
+from .torch_loop import EpochBatches, Progress, Stop, TorchLoop, TrainStep, Validator, accelerate_for_loop
 
 
 class Finetuner:
@@ -79,18 +79,9 @@ class Finetuner:
 
     # ---- the loop ---------------------------------------------------------------------------------------
     def _accelerate(self):
-        from megatron_patch.accelerations import accelerate
-
         model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
         check_shape_flags(self.args, model, "model_optimizer_lr_scheduler_provider()")
-        acc = accelerate(model.to(self.device), self.args, self.device, optimizer)
-        for line in acc.applied:
-            get_logger().info(f"acceleration: {line}")
-        if scheduler is not None and getattr(scheduler, "optimizer", None) is not acc.optimizer:
-            get_logger().warning("the lr scheduler from model_optimizer_lr_scheduler_provider() drives the optimizer "
-                                 "as it was before the acceleration switches rebuilt it: using --lr-decay-style instead")
-            scheduler = None
-        return acc, scheduler
+        return accelerate_for_loop(model, optimizer, scheduler, self.args, self.device, get_logger())
 
     def evaluate(self, loader, model: torch.nn.Module) -> Dict[str, float]:
         import contextlib

@@ -18,7 +18,7 @@ from megatron_patch.config.checkpoint_layout import TRACKER, CheckpointError
 
 from .globals import get_logger
 from .reporting import LoopReporter, mean_over_workers
-from .torch_loop import IteratorBatches, Progress, Stop, TorchLoop, TrainStep, Validator
+from .torch_loop import IteratorBatches, Progress, Stop, TorchLoop, TrainStep, Validator, accelerate_for_loop
 
 
 class DynamicShape:
@@ -116,7 +116,7 @@ def check_not_parallel(cfg) -> None:
 def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
     """Pretrain a Hugging Face/PyTorch `model` on `datasets` for cfg.train_iters iterations on the torch loop
     (templates/torch_loop.py); returns the record of every iteration and validation."""
-    from megatron_patch.accelerations import accelerate, mark_step, uses_cuda_graphs
+    from megatron_patch.accelerations import mark_step, uses_cuda_graphs
     from megatron_patch.training.checkpoint.torch_dcp import TorchCheckpointer, find_checkpoint
     from megatron_patch.training.data import build_iterator
 
@@ -135,15 +135,9 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
         if resume is None and args.load != args.pretrained_model_name_or_path:
             raise CheckpointError(f"--load {args.load}: no checkpoint there (no {TRACKER}, no iter_XXXXXXX "
                                   "directory); give the --save directory of an earlier run to resume, or drop --load")
-    acc = accelerate(model.to(device), args, device, optimizer)
-    for line in acc.applied:
-        log.info(f"acceleration: {line}")
+    acc, scheduler = accelerate_for_loop(model, optimizer, scheduler, args, device, log)
     model, optimizer, precision = acc.model, acc.optimizer, acc.precision
     pretrainer.engine.precision = precision
-    if scheduler is not None and getattr(scheduler, "optimizer", None) is not optimizer:
-        log.warning("the lr scheduler from model_optimizer_lr_scheduler_provider() drives the optimizer as it was "
-                    "before the acceleration switches rebuilt it: using --lr-decay-style instead")
-        scheduler = None
     # the schedule: this run's flags, or the checkpoint's (refused here when they differ without a choice)
     plan = resume_hf.plan(cfg, args.load, resume, own_scheduler=scheduler is not None)
     if scheduler is None:

@@ -65,6 +65,22 @@ class _RestoreSync:
         self.model.set_requires_gradient_sync(True)
 
 
+def accelerate_for_loop(model: torch.nn.Module, optimizer, scheduler, args, device: torch.device, log):
+    """Apply the acceleration switches to the hook's model and optimizer (logging each); returns (the
+    `Accelerated` parts, the scheduler to use: the hook's, or None when the switches rebuilt its optimizer and
+    the flags' schedule must be built instead)."""
+    from megatron_patch.accelerations import accelerate
+
+    acc = accelerate(model.to(device), args, device, optimizer)
+    for line in acc.applied:
+        log.info(f"acceleration: {line}")
+    if scheduler is not None and getattr(scheduler, "optimizer", None) is not acc.optimizer:
+        log.warning("the lr scheduler from model_optimizer_lr_scheduler_provider() drives the optimizer as it was "
+                    "before the acceleration switches rebuilt it: using --lr-decay-style instead")
+        scheduler = None
+    return acc, scheduler
+
+
 class TrainStep:
     """One optimizer step over a step's micro batches. `forward(input, model)` is the user's hook (its input: a
     batch, or the iterator it draws from); `before_forward` runs before each (CUDA graphs' mark_step)."""
