@@ -132,7 +132,9 @@ class EpochBatches:
 
     def _counted(self, batches: Iterator, count: int) -> Iterator:
         for batch in itertools.islice(batches, count):  # drawn one at a time, as the forward asks
-            first = next(iter(batch.values())) if hasattr(batch, "values") else batch[0]
+            # the samples: the first dimension of the batch (a tensor), of its first entry (a dict, a tuple)
+            first = batch if torch.is_tensor(batch) else \
+                next(iter(batch.values())) if hasattr(batch, "values") else batch[0]
             self.samples += int(first.shape[0]) if hasattr(first, "shape") else 0
             yield batch
 

@@ -3,13 +3,14 @@ its reporter, the torch checkpointer, the shared process-group set-up): each bre
 default-lane tests must fail."""
 FT = "tests/test_finetuner_loop.py"
 PT = "tests/test_pretrainer.py::"
+TL = "tests/test_torch_loop.py::"
 
 PLANTS = [
     dict(name="epoch-stop-rule-one-epoch-late", file="megatron_patch/templates/torch_loop.py",
          original="return epoch_over and self.epochs is not None and progress.epoch >= self.epochs",
          replacement="return epoch_over and self.epochs is not None and progress.epoch > self.epochs",
          property="epochs are a stop rule: --epochs N trains exactly N epochs (each evaluated once after it)",
-         tests=[f"{FT} -k new_order", f"{FT} -k evaluat"]),
+         tests=[TL + "test_epochs_are_a_stop_rule_and_each_epoch_is_evaluated_once", f"{FT} -k new_order"]),
     dict(name="accumulation-syncs-the-first-micro-batch", file="megatron_patch/templates/torch_loop.py",
          original="with no_sync(model, micro == last):",
          replacement="with no_sync(model, micro == 0):",
@@ -37,4 +38,19 @@ PLANTS = [
          property="the torch loop's workers join one process group (data parallel: every worker trains on its share "
                   "and the gradients are reduced)",
          tests=[f"{FT}::test_accumulation_trains_like_one_big_batch"]),
+    dict(name="partial-accumulation-is-a-step", file="megatron_patch/templates/torch_loop.py",
+         original="self.steps_per_epoch = max(1, len(loader) // accum)",
+         replacement="self.steps_per_epoch = max(1, -(-len(loader) // accum))",
+         property="an epoch has len(loader) // accumulation steps: a trailing part of an accumulation is not a step",
+         tests=[TL + "test_epochs_are_a_stop_rule_and_each_epoch_is_evaluated_once"]),
+    dict(name="torch-final-checkpoint-only-at-an-interval", file="megatron_patch/training/checkpoint/torch_dcp.py",
+         original="due = progress.step > self.start if stopping else bool(",
+         replacement="due = bool(",
+         property="the torch loop saves a checkpoint when training stops, also between two --save-interval steps",
+         tests=[TL + "test_checkpointer_saves_every_interval_and_at_the_end_once"]),
+    dict(name="torch-resumed-run-saves-again", file="megatron_patch/training/checkpoint/torch_dcp.py",
+         original="due = progress.step > self.start if stopping",
+         replacement="due = progress.step >= self.start if stopping",
+         property="a resumed run that had nothing left to train writes no checkpoint",
+         tests=[TL + "test_checkpointer_saves_every_interval_and_at_the_end_once"]),
 ]
