@@ -29,7 +29,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (UsageError, ValueError) as e:  # FinetuneDataError and the data checks' DataError are ValueErrors
         print(f"rapidformer: error: {e}", file=sys.stderr)
         return 2
-    return run_workers(argv, nproc)
+    return run_workers(argv, nproc, args)
 
 
 if __name__ == "__main__":

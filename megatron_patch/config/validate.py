@@ -113,4 +113,4 @@ def validate(c: Config, world_size: int) -> Config:
     resolved = resolve(c, world_size)
     run_checks(resolved)
     check_paths(resolved)
-    return resolved
+    return resolved.replace(checked=True)

@@ -23,10 +23,12 @@ def world_size_from_env() -> int:
 
 
 def initialize(cfg: Config) -> Config:
-    """Validate `cfg` for this world size, then start process groups and seed every RNG."""
+    """Validate `cfg` for this world size (unless the entry point's validate() already did), then start process
+    groups and seed every RNG. Returns the validated Config."""
     compat.quiet_known_noise()  # (a no-op where the entry point already did it)
     world = world_size_from_env()
-    cfg = cfg.validate(world)  # before any process group exists: config errors surface cleanly
+    if not (cfg.checked and cfg.world_size == world):  # the entry point's validate() is not repeated
+        cfg = cfg.validate(world)  # before any process group exists: config errors surface cleanly
     if "RANK" not in os.environ:  # plain `python pretrain_megatron_gpt.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=os.environ.get("MASTER_PORT", str(free_port())))

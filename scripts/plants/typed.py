@@ -13,8 +13,8 @@ PLANTS = [
          property="--zero-2-memory-optimization gives ZeRO stage 1 (the number of ZeRO flags, not the stage)",
          tests=[f"{T}::test_zero_and_precision_are_enums_read_by_the_flags_names"]),
     dict(name="old-stored-booleans-dropped", file="megatron_patch/config/config.py",
-         original="if k in HOME or k in FLAG_NAMES})",
-         replacement="if k in HOME})",
+         original="if (k in HOME or k in FLAG_NAMES) and k != \"checked\"})",
+         replacement="if k in HOME and k != \"checked\"})",
          property="a checkpoint stored before issue 28 (ZeRO and precision as the flags' booleans) loads as fp32 "
                   "without ZeRO",
          tests=[f"{T}::test_a_stored_configuration_of_either_form_loads"]),
@@ -29,4 +29,21 @@ PLANTS = [
          replacement="    per_step = c.micro_batch_size * dp\n    if c.save:\n        os.makedirs(c.save, exist_ok=True)\n",
          property="resolve() does I/O again (creates --save), so deriving settings touches the file system",
          tests=[f"{T}::test_resolve_is_pure_and_fills_the_dependent_settings"]),
+    dict(name="replace-keeps-checked", file="megatron_patch/config/config.py",
+         original="        settings.setdefault(\"checked\", False)\n",
+         replacement="",
+         property="a validated Config changed by replace() still counts as checked, so the process-group set-up "
+                  "skips the rules for settings nobody checked",
+         tests=[f"{T}::test_a_validated_configuration_is_checked_once"]),
+    dict(name="single-worker-checks-again", file="megatron_patch/cli/launch.py",
+         original="        from .worker import run\n\n        return run(args, argv)",
+         replacement="        from .worker import main as run\n\n        return run(argv)",
+         property="rapidformer's single worker parses and checks the command line again instead of running with "
+                  "the flags the launching process checked (the rules run twice)",
+         tests=["tests/test_checked_once.py::test_the_rules_run_once_for_a_single_worker"]),
+    dict(name="worker-ignores-checked-flags", file="megatron_patch/cli/worker.py",
+         original="        checked = os.environ.get(CHECKED_ARGS)",
+         replacement="        checked = None",
+         property="torchrun workers ignore the flags the launching process checked and run the rules again",
+         tests=["tests/test_checked_once.py::test_a_worker_runs_with_the_flags_the_launcher_checked"]),
 ]
