@@ -4,6 +4,7 @@ import json
 
 from megatron_patch.cli import launch, main as cli_main, worker
 from megatron_patch.config.rapidformer_flags import dump_checked, load_checked, parse_args
+from megatron_patch.templates import rules
 from megatron_patch.templates.rules import check
 
 SCRIPT = """
@@ -51,7 +52,7 @@ def test_the_rules_run_once_for_a_single_worker(tmp_path, monkeypatch):
         calls.append(world_size)
         return check(args, world_size)
 
-    monkeypatch.setattr(cli_main, "check", counting)
+    monkeypatch.setattr(rules, "check", counting)  # the launching process imports it from there when it runs
     monkeypatch.setattr(worker, "check", counting)
     for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.setenv(key, "")  # recorded, so that what run_workers sets for its in-process worker is undone

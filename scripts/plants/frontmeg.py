@@ -4,8 +4,8 @@ the listed default-lane tests must fail."""
 T = "tests/test_rapidformer_megatron.py"
 PLANTS = [
     dict(name="status-dir-not-passed", file="megatron_patch/cli/launch.py",
-         original="env={**env, status.ENV: directory})",
-         replacement="env=env)",
+         original="env={**env, status.ENV: directory, CHECKED_ARGS: checked})",
+         replacement="env={**env, CHECKED_ARGS: checked})",
          property="2 workers: the launcher no longer hears the workers' usage error: each rank exits 2, torchrun "
                   "prints ChildFailedError and `rapidformer` exits 1 instead of 2",
          tests=[f"{T}::test_worker_configuration_error_is_one_line_and_exit_2"]),
@@ -68,8 +68,8 @@ PLANTS = [
                   "ranks and hidden on rank 0",
          tests=[f"{T}::test_transformers_load_report_is_printed_by_rank_0_only"]),
     dict(name="blackbox-pretraining-not-checked-up-front", file="megatron_patch/templates/rules.py",
-         original="    if args.task != \"pretraining\" or args.user_script:\n        return",
-         replacement="    if args.task != \"pretraining\" or not args.user_script:\n        return",
+         original="    if args.task != \"pretraining\" or args.user_script:\n        return None\n    if args.num_experts:",
+         replacement="    if args.task != \"pretraining\" or not args.user_script:\n        return None\n    if args.num_experts:",
          property="--task pretraining's settings (and --num-experts) are no longer refused before workers start",
          tests=[f"{T}::test_blackbox_pretraining_refuses_before_any_worker_starts"]),
     dict(name="ort-fp16-line-says-eager-cpu", file="megatron_patch/accelerations/precision.py",
