@@ -117,3 +117,18 @@ def test_a_validated_configuration_is_checked_once(monkeypatch):
         assert runs == [1]
     finally:
         destroy()
+
+
+def test_a_model_only_run_is_checked_by_the_model_rules_only():
+    """Conversion builds a model and trains nothing: its Config needs no data or schedule, but a layout that cannot
+    split the model is refused all the same."""
+    from megatron_patch.config.validate import validate_model
+
+    untrained = Config(num_layers=2, hidden_size=64, num_attention_heads=4, train_iters=0)  # no data, no steps
+    assert validate_model(untrained, 2).checked
+    with pytest.raises(ConfigError, match="--train-iters must be at least 1"):
+        untrained.validate(1)  # what a training run is refused for
+    with pytest.raises(ConfigError, match="no training data"):
+        untrained.replace(train_iters=1).validate(1)
+    with pytest.raises(ConfigError, match="--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"):
+        validate_model(untrained.replace(tensor_model_parallel_size=3), 3)

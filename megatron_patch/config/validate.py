@@ -114,3 +114,14 @@ def validate(c: Config, world_size: int) -> Config:
     run_checks(resolved)
     check_paths(resolved)
     return resolved.replace(checked=True)
+
+
+MODEL_CONCERNS = ("layout", "moe", "model")
+
+
+def validate_model(c: Config, world_size: int) -> Config:
+    """For a run that builds the model but does not train it (conversion, verification): resolved, checked by the
+    rules of the layout, the experts and the model only (no data, schedule or checkpoint rules), marked checked."""
+    resolved = resolve(c, world_size)
+    run_checks(resolved, concerns=MODEL_CONCERNS)
+    return resolved.replace(checked=True)

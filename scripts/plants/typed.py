@@ -46,4 +46,10 @@ PLANTS = [
          replacement="        checked = None",
          property="torchrun workers ignore the flags the launching process checked and run the rules again",
          tests=["tests/test_checked_once.py::test_a_worker_runs_with_the_flags_the_launcher_checked"]),
+    dict(name="model-run-checked-as-training", file="megatron_patch/config/validate.py",
+         original="MODEL_CONCERNS = (\"layout\", \"moe\", \"model\")",
+         replacement="MODEL_CONCERNS = (\"layout\", \"moe\", \"model\", \"data\", \"schedule\")",
+         property="a conversion's Config is refused for having no training data or schedule (the training rules "
+                  "applied to a run that trains nothing)",
+         tests=[f"{T}::test_a_model_only_run_is_checked_by_the_model_rules_only"]),
 ]
