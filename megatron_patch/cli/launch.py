@@ -16,7 +16,7 @@ from megatron_patch.ports import free_port
 
 from . import status
 
-CHECKED_ARGS = "RAPIDFORMER_CHECKED_ARGS"  # the file of the flags the launching process checked
+CHECKED_ARGS = status.CHECKED_ARGS
 
 
 def visible_gpus() -> int:

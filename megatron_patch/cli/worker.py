@@ -14,9 +14,8 @@ from megatron_patch.training.entry import destroy_process_groups
 from megatron_patch.config.rapidformer_flags import UsageError, load_checked, parse_args
 from megatron_patch.templates.rules import check
 
-from .launch import CHECKED_ARGS
 from .preflight import offline
-from .status import report_usage_error
+from .status import CHECKED_ARGS, report_usage_error
 
 
 def _user_errors() -> tuple:

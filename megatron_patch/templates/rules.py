@@ -2,8 +2,8 @@
 worker starts (the workers get the flags as checked: cli/launch.py).
 
 `check(args, world_size)` = `resolve_front` (the defaults of flags the guide marks required but the how-to's own
-commands leave out, each named in `args.notes`, printed once as a log line each; no I/O) and then `FRONT_CHECKS`,
-the front end's table of named rules by concern (the engine's frame, config/rule.py), each returning its refusal
+commands leave out, each named in `args.notes`, printed once as a log line each; no I/O) and then the front
+end's table of named rules by concern (front_table.py, on the engine's frame), each returning its refusal
 (a sentence naming the flags and the fix; a flag the run would ignore included: `flag_use`) or None; the first
 refusal is raised as UsageError.
 """
@@ -11,27 +11,17 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import List, Optional
+from typing import Optional
 
 from megatron_patch.config.rapidformer_flags import FINETUNE_TASKS, UsageError
 from megatron_patch.config.flag_use import refuse_unused, run_kinds
-from megatron_patch.config.rule import Check
+
+from .front_table import front_rule, run_front
 
 DEFAULT_EPOCHS = 3
 DEFAULT_LR = 5e-5
 DEFAULT_MICRO_BATCH = 8
 DEFAULT_GRAPH_PAD = 64  # tokens: lengths 1-512 give at most 8 batch shapes, so 8 CUDA graphs
-
-
-FRONT_CHECKS: List[Check] = []
-
-
-def front_rule(concern: str):
-    """Register the decorated function (args, world_size) -> refusal or None as a rule of `concern`."""
-    def register(fn):
-        FRONT_CHECKS.append(Check(fn.__name__, concern, fn))
-        return fn
-    return register
 
 
 def _note(args: argparse.Namespace, text: str) -> None:
@@ -217,20 +207,13 @@ def switch_combination(args: argparse.Namespace, world_size: int) -> Optional[st
         return str(e)
 
 
-def _run(args: argparse.Namespace, world_size: int, which) -> None:
-    for rule in FRONT_CHECKS:
-        if which(rule.concern):
-            refusal = rule.fn(args, world_size)
-            if refusal:
-                raise UsageError(refusal)
-
-
 def check(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     """Apply the front end's rules to parsed flags for a run of `world_size` workers (see module docstring)."""
     # the launch rules first: they need no defaults and import nothing, so a missing flag is reported at once
-    _run(args, world_size, lambda concern: concern == "launch")
+    run_front(args, world_size, lambda concern: concern == "launch", UsageError)
     resolve_front(args, world_size)
-    _run(args, world_size, lambda concern: concern != "launch")
+    # the rest of the command line's rules; a Megatron model's (megatron_model) run where the model is known
+    run_front(args, world_size, lambda concern: concern not in ("launch", "megatron_model"), UsageError)
     # last, so the specific refusals above speak first; what the model decides: preflight and the templates
     refuse_unused(args, run_kinds(args))
     return args
