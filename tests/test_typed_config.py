@@ -74,7 +74,7 @@ def test_resolve_is_pure_and_fills_the_dependent_settings(tmp_path):
     assert resolve(r, 8) == r  # resolving twice changes nothing
     check_paths(r)
     assert save.is_dir()
-    assert cfg.validate(8) == r  # the entry point's call: resolve, the rules, the file system
+    assert cfg.validate(8) == r.replace(checked=True)  # the entry point's call: resolve, the rules, the file system
 
 
 def test_the_rules_are_one_table_of_named_checks_by_concern():
@@ -89,3 +89,46 @@ def test_the_rules_are_one_table_of_named_checks_by_concern():
         run_checks(bad)
     with pytest.raises(ConfigError, match="--train-iters must be at least 1"):
         run_checks(bad, concerns=("schedule",))
+
+
+def test_a_validated_configuration_is_checked_once(monkeypatch):
+    """validate() marks the Config it returns as checked for its world size, so initialize() does not run the rules
+    again in the same process; any change, or a configuration read back from a checkpoint, is unchecked."""
+    import megatron_patch.config.validate as validate_module
+
+    cfg = parse_args(["--mock-data"]).validate(1)
+    assert cfg.checked and not parse_args(["--mock-data"]).checked
+    assert not cfg.replace(lr=1e-3).checked
+    assert not Config.from_flat(json.loads(json.dumps(cfg.to_flat()))).checked and "checked" not in cfg.to_flat()
+    runs = []
+    monkeypatch.setattr(validate_module, "run_checks", lambda c: runs.append(c.world_size))
+    from megatron_patch.parallel import destroy, initialize
+    from megatron_patch.ports import free_port
+
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)  # a world of one, undone after the test
+    try:
+        assert initialize(cfg).checked and runs == []  # the entry point's validate() is not repeated
+    finally:
+        destroy()
+    try:
+        initialize(cfg.replace(lr=1e-3))
+        assert runs == [1]
+    finally:
+        destroy()
+
+
+def test_a_model_only_run_is_checked_by_the_model_rules_only():
+    """Conversion builds a model and trains nothing: its Config needs no data or schedule, but a layout that cannot
+    split the model is refused all the same."""
+    from megatron_patch.config.validate import validate_model
+
+    untrained = Config(num_layers=2, hidden_size=64, num_attention_heads=4, train_iters=0)  # no data, no steps
+    assert validate_model(untrained, 2).checked
+    with pytest.raises(ConfigError, match="--train-iters must be at least 1"):
+        untrained.validate(1)  # what a training run is refused for
+    with pytest.raises(ConfigError, match="no training data"):
+        untrained.replace(train_iters=1).validate(1)
+    with pytest.raises(ConfigError, match="--num-attention-heads 4 is not divisible by --tensor-model-parallel-size 3"):
+        validate_model(untrained.replace(tensor_model_parallel_size=3), 3)

@@ -16,6 +16,8 @@ from megatron_patch.ports import free_port
 
 from . import status
 
+CHECKED_ARGS = status.CHECKED_ARGS
+
 
 def visible_gpus() -> int:
     import torch
@@ -47,20 +49,26 @@ def torchrun_command(argv: List[str], nproc: int) -> List[str]:
             "-m", "megatron_patch.cli.worker", *argv]
 
 
-def run_workers(argv: List[str], nproc: int) -> int:
-    """Run the workers for `argv` and return the exit status: 2 when they stopped at a usage error (its message
-    printed once, see status.py), else theirs."""
+def run_workers(argv: List[str], nproc: int, args) -> int:
+    """Run the workers for `argv`, whose flags the front end's rules made `args`, and return the exit status: 2
+    when they stopped at a usage error (its message printed once, see status.py), else theirs. The workers get
+    `args` as they are (a file named by CHECKED_ARGS), not the rules again."""
     if nproc == 1 and nodes() == 1:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
-        from .worker import main as worker_main
+        from .worker import run
 
-        return worker_main(argv)
+        return run(args, argv)
+    from megatron_patch.config.rapidformer_flags import dump_checked
+
     # OMP_NUM_THREADS: torchrun's own default (1 per worker), set here so that it prints no banner about it
     env = {"OMP_NUM_THREADS": "1", **os.environ}
     with tempfile.TemporaryDirectory(prefix="rapidformer_status_") as directory:
-        code = subprocess.call(torchrun_command(argv, nproc), env={**env, status.ENV: directory})
+        checked = os.path.join(directory, "checked_args.json")
+        dump_checked(args, checked)
+        code = subprocess.call(torchrun_command(argv, nproc),
+                               env={**env, status.ENV: directory, CHECKED_ARGS: checked})
         message = status.first_usage_error(directory)
     if message is not None:
         print(f"rapidformer: error: {message}", file=sys.stderr, flush=True)

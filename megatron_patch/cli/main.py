@@ -6,7 +6,6 @@ import sys
 from typing import List, Optional
 
 from megatron_patch.config.rapidformer_flags import UsageError, parse_args
-from megatron_patch.templates.rules import check
 
 from .launch import nodes, run_workers, workers_per_node
 from .preflight import check_data, check_model, check_shapes, offline
@@ -22,6 +21,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         check_data(args)
         from megatron_patch.compat.quiet import quiet_known_noise  # imports torch: after the quick checks
 
+        from megatron_patch.templates.rules import check  # the templates import torch too
+
         quiet_known_noise()  # this process may run the single worker itself
         nproc = workers_per_node(args.nproc_per_node)
         check(args, world_size=nproc * nodes())
@@ -29,7 +30,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except (UsageError, ValueError) as e:  # FinetuneDataError and the data checks' DataError are ValueErrors
         print(f"rapidformer: error: {e}", file=sys.stderr)
         return 2
-    return run_workers(argv, nproc)
+    return run_workers(argv, nproc, args)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ import os
 import sys
 from typing import Optional
 
+CHECKED_ARGS = "RAPIDFORMER_CHECKED_ARGS"  # the file of the flags the launching process checked (worker.py)
 ENV = "RAPIDFORMER_STATUS_DIR"
 USAGE_ERROR = 2
 

@@ -1,5 +1,5 @@
-"""What every worker runs: the flags parsed again (the same rules, so every rank agrees), then the user's
-script (white box) or the task's black-box Finetuner."""
+"""What every worker runs: the flags the launching process checked (or, started another way, its own command line
+checked by the same rules), then the user's script (white box) or the task's black-box Finetuner."""
 from __future__ import annotations
 
 import os
@@ -11,11 +11,11 @@ from megatron_patch.compat.quiet import quiet_known_noise
 from megatron_patch.templates.globals import get_logger, set_args
 from megatron_patch.training.entry import destroy_process_groups
 
-from megatron_patch.config.rapidformer_flags import UsageError, parse_args
+from megatron_patch.config.rapidformer_flags import UsageError, load_checked, parse_args
 from megatron_patch.templates.rules import check
 
 from .preflight import offline
-from .status import report_usage_error
+from .status import CHECKED_ARGS, report_usage_error
 
 
 def _user_errors() -> tuple:
@@ -30,11 +30,26 @@ def _user_errors() -> tuple:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """A worker started by `rapidformer` (torchrun): the flags the launching process checked (CHECKED_ARGS); one
+    started another way checks its own command line with the same rules."""
     argv = list(sys.argv[1:] if argv is None else argv)
     offline()
     quiet_known_noise()
     try:
-        args = check(parse_args(argv), world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        checked = os.environ.get(CHECKED_ARGS)
+        args = (load_checked(checked) if checked else
+                check(parse_args(argv), world_size=int(os.environ.get("WORLD_SIZE", "1"))))
+    except _user_errors() as e:
+        return report_usage_error(e)
+    return run(args, argv)
+
+
+def run(args, argv: List[str]) -> int:
+    """Run the user's script or the task with the checked flags `args` (`argv`: the command line they came from,
+    which the user's script sees as its sys.argv)."""
+    offline()
+    quiet_known_noise()
+    try:
         set_args(args)
         log = get_logger()
         for note in args.notes:

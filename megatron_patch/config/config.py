@@ -211,6 +211,9 @@ class LayoutConfig:
     data_parallel_size: int = 1
     expert_data_parallel_size: int = 1
     num_microbatches: int = 1
+    # validate() passed for this world size: the process-group set-up does not check the same settings again.
+    # Any change (replace) clears it, and it is never stored with a checkpoint.
+    checked: bool = False
 
 
 SECTIONS = {"model": ModelConfig, "moe": MoEConfig, "parallel": ParallelConfig, "numerics": NumericsConfig,
@@ -278,19 +281,21 @@ class Config:
         return getattr(object.__getattribute__(self, section), name)
 
     def replace(self, **settings: Any) -> "Config":
-        """A copy with these flat settings changed (the flags' boolean names too)."""
+        """A copy with these flat settings changed (the flags' boolean names too); a changed configuration is an
+        unchecked one."""
+        settings.setdefault("checked", False)
         return Config(**{name: getattr(self, name) for name in SECTIONS}, **settings)
 
     def to_flat(self) -> Dict[str, Any]:
         """Every setting by its flat name (what a checkpoint stores: JSON values; precision as its name)."""
-        out = {name: getattr(getattr(self, HOME[name]), name) for name in HOME}
+        out = {name: getattr(getattr(self, HOME[name]), name) for name in HOME if name != "checked"}
         out["precision"] = self.precision.value
         return out
 
     @classmethod
     def from_flat(cls, stored: Dict[str, Any]) -> "Config":
         """The Config of a stored flat dict (a checkpoint's, of any version): settings it does not know are left out."""
-        return cls(**{k: v for k, v in stored.items() if k in HOME or k in FLAG_NAMES})
+        return cls(**{k: v for k, v in stored.items() if (k in HOME or k in FLAG_NAMES) and k != "checked"})
 
     # ---- views of the enums by the flags' names
     @property

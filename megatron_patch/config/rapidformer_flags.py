@@ -8,6 +8,7 @@ starts, in a sentence that names the flags and the fix.
 from __future__ import annotations
 
 import argparse
+import json
 from typing import List, Optional
 
 from . import flag_parser
@@ -70,3 +71,19 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
         args.task = "causal_lm"
     args.notes = []  # one log line per default the front end chose
     return args
+
+
+def dump_checked(args: argparse.Namespace, path: str) -> None:
+    """Write the flags as the front end's rules left them (defaults chosen, notes made) for the workers, which then
+    run with them instead of checking the command line again: the rules run once, in the launching process."""
+    values = dict(vars(args), given=sorted(args.given))
+    with open(path, "w") as f:
+        json.dump(values, f)
+
+
+def load_checked(path: str) -> argparse.Namespace:
+    """The flags `dump_checked` wrote."""
+    with open(path) as f:
+        values = json.load(f)
+    values["given"] = frozenset(values["given"])
+    return argparse.Namespace(**values)

@@ -52,3 +52,12 @@ def triton_missing(flag: str, missing: str, no_gpu: str) -> Optional[str]:
                 f"TRITON_INTERPRET=1 in the environment (Triton's interpreter: correct but slow, for tests), or {no_gpu}")
     return None
 
+
+
+def transformer_engine_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+
+        return True
+    except Exception:
+        return False

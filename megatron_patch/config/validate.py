@@ -46,32 +46,10 @@ def check_load_dir(path: str) -> None:
               f"(to start from scratch, create an empty directory or drop --load)")
 
 
-BERT_TOKENIZERS = ("BertWordPieceLowerCase", "BertWordPieceCase")
-
-
 def validate_bert_pretraining(c: Config) -> None:
-    """Settings of BERT pretraining (pretrain_megatron_bert.py), after `validate`: its data and objective. (The
-    model's own limits are checked where it is built, models/bert.py: check_bert_config; a BERT used elsewhere,
-    e.g. converted from Hugging Face, needs none of these.)"""
-    if c.mock_data:
-        _fail("BERT pretraining has no --mock-data (megatron-core has no mock BERT dataset): pass --data-path "
-              "PREFIX_text_sentence made by tools/preprocess_data.py --split-sentences with a WordPiece tokenizer")
-    if c.tokenizer_type not in BERT_TOKENIZERS:
-        _fail(f"--tokenizer-type {c.tokenizer_type}: BERT pretraining masks with [MASK] and joins sentences with [CLS] "
-              f"and [SEP]; use {' or '.join(BERT_TOKENIZERS)} with --vocab-file vocab.txt")
-    if not 0 < c.mask_prob < 1:
-        _fail(f"--mask-prob {c.mask_prob} must be between 0 and 1 (Megatron-LM and BERT use 0.15)")
-    if not 0 <= c.short_seq_prob <= 1:
-        _fail(f"--short-seq-prob {c.short_seq_prob} must be between 0 and 1 (default 0.1)")
-    if c.num_experts:
-        _fail("--num-experts: the BERT layers have dense MLPs only; mixture of experts is for GPT-family models")
-    if c.seq_length < 8:
-        _fail(f"--seq-length {c.seq_length} is too short for BERT samples ([CLS] A [SEP] B [SEP] and masked tokens)")
-    if c.num_layers_per_virtual_pipeline_stage is not None:
-        _fail("--num-layers-per-virtual-pipeline-stage: megatron-core's BertModel decides where the embedding is by "
-              "the pipeline rank, not the virtual stage; use plain pipeline parallelism for BERT")
-
-
+    """The rules of BERT pretraining (pretrain_megatron_bert.py) for a validated `c`: its data and objective
+    (checks_bert.py, concern bert_pretraining)."""
+    run_checks(c, concerns=("bert_pretraining",))
 
 
 def resolve(c: Config, world_size: int) -> Config:
@@ -113,4 +91,15 @@ def validate(c: Config, world_size: int) -> Config:
     resolved = resolve(c, world_size)
     run_checks(resolved)
     check_paths(resolved)
-    return resolved
+    return resolved.replace(checked=True)
+
+
+MODEL_CONCERNS = ("layout", "moe", "model")
+
+
+def validate_model(c: Config, world_size: int) -> Config:
+    """For a run that builds the model but does not train it (conversion, verification): resolved, checked by the
+    rules of the layout, the experts and the model only (no data, schedule or checkpoint rules), marked checked."""
+    resolved = resolve(c, world_size)
+    run_checks(resolved, concerns=MODEL_CONCERNS)
+    return resolved.replace(checked=True)

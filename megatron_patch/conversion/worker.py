@@ -21,8 +21,9 @@ from typing import Dict, Optional
 
 from megatron_patch.conversion.result import BAD_INPUT, FAILED_VERIFY, OK, WorkerResult, write_result
 
-# What the conversion's Config says of training, which it never does: validate() asks every run for data and
-# a schedule; these are also the settings stored with an hf2mcore checkpoint (its weights, no step taken).
+# What the conversion's Config says of training, which it never does: the settings stored with an hf2mcore
+# checkpoint (its weights, no data, no step taken). Its Config is checked by the model's rules only
+# (config/validate.py: validate_model), not by those of a training run.
 NOT_TRAINED = dict(mock_data=True, micro_batch_size=1, train_iters=1, eval_iters=0)
 
 
@@ -39,6 +40,15 @@ def engine_config(args, model: Dict, **settings):
                  sequence_parallel=bool(model.get("num_experts")) and args.tp > 1, **settings)
     # the random tokens of mock data: the model's whole vocabulary (unused)
     return cfg.replace(vocab_size=cfg.model_vocab_size, seq_length=min(cfg.max_position_embeddings or args.seq, args.seq))
+
+
+def initialize_model_run(cfg):
+    """Process groups for the conversion's model: its Config checked by the model's rules only."""
+    from megatron_patch.config.validate import validate_model
+    from megatron_patch.parallel import initialize
+    from megatron_patch.parallel.initialize import world_size_from_env
+
+    return initialize(validate_model(cfg, world_size_from_env()))
 
 
 def verify_length(cfg, seq: int) -> int:
@@ -67,7 +77,6 @@ def hf2mcore(args) -> int:
     """Build the model in the target layout in the Hugging Face dtype, load the weights, save them."""
     from megatron_patch.conversion import tables
     from megatron_patch.conversion.hf_io import read_hf_config
-    from megatron_patch.parallel import initialize
     from megatron_patch.training.checkpoint import Checkpointer, TrainState
     from megatron_patch.training.loop import build_model, model_info
 
@@ -76,7 +85,7 @@ def hf2mcore(args) -> int:
     cfg = engine_config(args, arch, load_hf=args.load_dir, save=args.save_dir,
                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                         bf16=args.hf_dtype == "bfloat16", fp16=args.hf_dtype == "float16")  # exact: no rounding
-    cfg = initialize(cfg)
+    cfg = initialize_model_run(cfg)
     model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
     info = model_info(cfg, cfg.model_vocab_size)
     info["hf_dtype"] = args.hf_dtype
@@ -94,7 +103,7 @@ def verify_checkpoint(args) -> int:
     from megatron_patch.conversion.load_hf import load_global_weights
     from megatron_patch.conversion.mcore_reader import MegatronCheckpointReader
     from megatron_patch.conversion.verify import verify
-    from megatron_patch.parallel import initialize, print_rank_0
+    from megatron_patch.parallel import print_rank_0
     from megatron_patch.training.loop import build_model
 
     reader = MegatronCheckpointReader(args.load_dir)
@@ -103,7 +112,7 @@ def verify_checkpoint(args) -> int:
     arch.update(model_vocab_size=info["vocab_size"], padded_vocab_size=info["padded_vocab_size"])
     cfg = engine_config(args, arch)
     cfg = cfg.replace(seq_length=verify_length(cfg, args.seq))
-    cfg = initialize(cfg)
+    cfg = initialize_model_run(cfg)
     model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
     get = reader.get
     if args.dtype:  # the export's dtype: compare with the weights it holds (a ZeRO-2 bf16 run saves fp32 main weights)

@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_patch.config.config import Config  # the class, not the package (its parser reaches conversion)
+from megatron_patch.config.rule import transformer_engine_available
 
 from .linear_cross_entropy import linear_cross_entropy
 from .norm import SequenceParallelNorm
@@ -34,15 +35,6 @@ def padded_vocab_size(vocab_size: int, cfg: Config) -> int:
         return cfg.padded_vocab_size
     multiple = math.lcm(cfg.make_vocab_size_divisible_by, cfg.tensor_model_parallel_size)
     return -(-vocab_size // multiple) * multiple
-
-
-def transformer_engine_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-
-        return True
-    except Exception:
-        return False
 
 
 def resolve_attention_backend(cfg: Config) -> str:

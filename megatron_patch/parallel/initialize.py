@@ -47,9 +47,12 @@ def start_process_group(world_of_one: bool = True, bind_device: bool = False) ->
 
 
 def initialize(cfg: Config) -> Config:
-    """Validate `cfg` for this world size, then start process groups and seed every RNG."""
+    """Validate `cfg` for this world size (unless the entry point's validate() already did), then start process
+    groups and seed every RNG. Returns the validated Config."""
     compat.quiet_known_noise()  # (a no-op where the entry point already did it)
-    cfg = cfg.validate(world_size_from_env())  # before any process group exists: config errors surface cleanly
+    world = world_size_from_env()
+    if not (cfg.checked and cfg.world_size == world):  # the entry point's validate() is not repeated
+        cfg = cfg.validate(world)  # before any process group exists: config errors surface cleanly
     compat.check_versions()  # once per process, before any workaround is applied
     if torch.cuda.is_available():
         compat.apply_gpu_fixes()

@@ -8,13 +8,12 @@ import argparse
 from megatron_patch.config import Config, ConfigError
 from megatron_patch.config.flags import front_to_engine
 
+from . import megatron_rules  # noqa: F401  (registers the rules of a Megatron model)
+from .front_table import run_front
 from .logger import get_logger
 
 # rapidformer dest -> Config field, for the flags both take (the registry's; a few are renamed: --torch-compile)
 _ENGINE_NAME = front_to_engine()
-# Hugging Face-only sharding switches: the Megatron engine shards with ZeRO-1/2 (its distributed optimizer,
-# Megatron-FSDP)
-_HF_ONLY = ("oss_memory_optimization", "oss_sdp_memory_optimization", "fsdp_memory_optimization")
 
 
 def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Config:
@@ -39,22 +38,9 @@ def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Confi
     moe_tp = _moe_tensor_parallel(values)
     cfg = Config(**values)
     if accelerations:
-        if getattr(args, "onnx_runtime_training", False):
-            raise ConfigError("--onnx-runtime-training: ONNX Runtime's ORTModule trains Hugging Face/PyTorch models "
-                              "(one exported graph per model); a megatron-core model trains with the engine's own "
-                              "tensor/pipeline-parallel schedules, which ORTModule cannot export: drop the flag, or "
-                              "use --torch-compile, the engine's graph optimizer")
+        run_front(args, cfg.world_size, lambda concern: concern == "megatron_model", ConfigError)
         if moe_tp:
             get_logger().info(moe_tp)
-        used = [f"--{n.replace('_', '-')}" for n in _HF_ONLY if getattr(args, n, False)]
-        if used:
-            raise ConfigError(f"{', '.join(used)}: a Hugging Face acceleration; a Megatron model is sharded with "
-                              "--zero-1-memory-optimization (distributed optimizer) or --zero-2-memory-optimization "
-                              "(Megatron-FSDP): use one of those")
-        if getattr(args, "data_iterator", None) == "dynamic-shape":
-            raise ConfigError("--data-iterator dynamic-shape: a Megatron model's pipeline sends activations of a fixed "
-                              "--seq-length between stages, and GPT samples are packed to it with no padding to cut; "
-                              "drop the flag (it applies to Hugging Face models on padded BERT-style samples)")
         if cfg.fp16 and getattr(args, "mixed_precision", False) and cfg.zero_2_memory_optimization:
             # megatron-core's fp16 loss scaling does not run under Megatron-FSDP: bf16 needs none
             cfg = cfg.replace(precision="bf16")

@@ -1,0 +1,29 @@
+"""The front end's table of named rules (the engine's Check frame, config/rule.py): rules register with
+`@front_rule(concern)` as a function (args, world_size) -> refusal or None; `run_front` runs those of the concerns
+asked for, in table order, and raises the first refusal. The launching process runs the command line's rules
+(rules.py); the rules of a Megatron model (megatron_rules.py) run where the model says what it is."""
+from __future__ import annotations
+
+import argparse
+from typing import Callable, List, Type
+
+from megatron_patch.config.rule import Check
+
+FRONT_CHECKS: List[Check] = []
+
+
+def front_rule(concern: str):
+    """Register the decorated function (args, world_size) -> refusal or None as a rule of `concern`."""
+    def register(fn):
+        FRONT_CHECKS.append(Check(fn.__name__, concern, fn))
+        return fn
+    return register
+
+
+def run_front(args: argparse.Namespace, world_size: int, which: Callable[[str], bool], error: Type[Exception]) -> None:
+    """Raise `error` with the first refusal of the rules whose concern `which` accepts."""
+    for rule in FRONT_CHECKS:
+        if which(rule.concern):
+            refusal = rule.fn(args, world_size)
+            if refusal:
+                raise error(refusal)
