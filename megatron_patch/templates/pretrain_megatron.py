@@ -48,9 +48,10 @@ def current_config() -> Config:
 
 def build_stage_model() -> List[torch.nn.Module]:
     """This rank's model chunks of the PreTrainer run under way, built as `pretrain_megatron_gpt.py` builds them
-    (the vocabulary of --tokenizer-type/--vocab-file, --load-hf, the model switches): what GPTModel() returns."""
+    (the vocabulary of --tokenizer-type/--vocab-file, the model switches): what GPTModel() returns. (`rapidformer`
+    has no --load-hf: a PreTrainer run starts from its --load or from initialised weights.)"""
+    from megatron_patch.models.build import build_model_chunks, model_vocab_size
     from megatron_patch.training.data import tokenizer_from_config
-    from megatron_patch.training.loop import build_model_chunks, model_vocab_size
 
     cfg = current_config()
     return build_model_chunks(cfg, model_vocab_size(cfg, tokenizer_from_config(cfg)))
