@@ -38,4 +38,10 @@ PLANTS = [
          property="pretrain_megatron_gpt.py --load-hf DIR trains from DIR's weights (the entry point hands the "
                   "training loop their loader; none given is refused, not trained from random weights)",
          tests=["tests/test_conversion_training.py -k load_hf_first_loss"]),
+    dict(name="megatron-run-world-of-one", file="megatron_patch/templates/pretrain_megatron.py",
+         original="            self._config = engine_config(self.args).validate(self.world_size)",
+         replacement="            self._config = engine_config(self.args).validate(1)",
+         property="the PreTrainer's run context (MegatronRun, no module globals) validates the Megatron model's "
+                  "configuration for the run's world size, so GPTModel() builds this rank's stage of the TP x PP layout",
+         tests=["tests/test_pretrainer.py::test_megatron_gpt_sample_equals_the_engine_at_tp2_pp2_zero2_recompute"]),
 ]
