@@ -9,11 +9,11 @@ The data is sentence-split (`tools/preprocess_data.py --split-sentences` writes 
 `--bert-no-binary-head` trains the masked LM alone; `--mask-prob` (0.15) and `--short-seq-prob` (0.1) as in
 Megatron-LM. `pretrain_scripts/run_bert.sh` wraps this with defaults. `--help` lists every flag.
 
-Errors and `--validate-only` behave as in pretrain_megatron_gpt.py (megatron_patch.training.entry).
+Errors and `--validate-only` behave as in pretrain_megatron_gpt.py (megatron_patch.cli.pretrain).
 """
 import sys
 
-from megatron_patch.training.entry import main  # light: no torch, no megatron-core
+from megatron_patch.cli.pretrain import main  # light: no torch, no megatron-core
 
 if __name__ == "__main__":  # dist_checkpointing starts helper processes: keep the guard
     sys.exit(main(model="bert"))

@@ -9,11 +9,11 @@
 A configuration or data error is printed once (by local rank 0 of each machine) as `configuration error: ...` or `data error: ...`,
 and every rank exits with status 2. `WORLD_SIZE=8 python pretrain_megatron_gpt.py ... --validate-only` makes
 the same checks for 8 processes without starting any, which is what the launchers do before torchrun.
-(The BERT entry point, pretrain_megatron_bert.py, shares this behaviour: megatron_patch.training.entry.)
+(The BERT entry point, pretrain_megatron_bert.py, shares this behaviour: megatron_patch.cli.pretrain.)
 """
 import sys
 
-from megatron_patch.training.entry import describe, main  # light: no torch, no megatron-core  # noqa: F401
+from megatron_patch.cli.pretrain import describe, main  # light: no torch, no megatron-core  # noqa: F401
 
 if __name__ == "__main__":  # dist_checkpointing starts helper processes: keep the guard
     sys.exit(main(model="gpt"))

@@ -76,10 +76,9 @@ def grad_difference(chunks, cfg, hf_model, pp: int) -> float:
 def check(name: str, hf_dir: str, tp: int, pp: int) -> dict:
     from megatron.core import parallel_state as mpu
 
-    from megatron_patch.config import parse_args
+    from megatron_patch.conversion.hf_source import build_model, parse_args
     from megatron_patch.conversion.verify_bert import compare, engine_outputs, hf_bert_model, hf_outputs, sample_batch
     from megatron_patch.models import padded_vocab_size
-    from megatron_patch.training.loop import build_model
 
     cfg = parse_args(["--load-hf", hf_dir, "--mock-data", "--micro-batch-size", "2", "--train-iters", "1",
                       "--eval-iters", "0", "--tensor-model-parallel-size", str(tp),
@@ -120,7 +119,7 @@ def main() -> int:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("models", nargs="+", help="NAME=HF_DIR")
     a = p.parse_args()
-    from megatron_patch.config import parse_args
+    from megatron_patch.conversion.hf_source import parse_args
     from megatron_patch.parallel import destroy, initialize
 
     first = a.models[0].split("=", 1)[1]

@@ -33,7 +33,7 @@ SEQ, MBS, GBS = 32, 2, 8  # TP2 PP2 -> DP 1: 4 micro batches per global batch
 
 def engine_config(flags: Sequence[str], world_size: int):
     """The Config the engine's workers parse from `flags` (validated for `world_size` processes)."""
-    from megatron_patch.config import parse_args
+    from megatron_patch.conversion.hf_source import parse_args
 
     return parse_args(list(flags)).validate(world_size)
 

@@ -41,6 +41,8 @@ import sys
 import textwrap
 from typing import Dict, List, Optional, Set, Tuple
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "megatron_patch"
 PACKAGE = "megatron_patch"
 
@@ -55,12 +57,9 @@ LAYER = {name: i for i, names in enumerate(LAYERS) for name in names}
 
 # (importing module, imported module or package: every module under it) -> why it may go against the layer order.
 EXCEPTIONS: Dict[Tuple[str, str], str] = {
-    ("megatron_patch.config.hf_source", "megatron_patch.conversion"):
-        "--load-hf DIR gives the architecture at parse time: the flags are read first, and the mapping of a "
-        "family's config.json to engine settings is the conversion's family table",
-    ("megatron_patch.training.loop", "megatron_patch.conversion"):
-        "--load-hf DIR's weights are loaded into the model the training loop builds (through the conversion's "
-        "table of the family), and its config.json is recorded in the checkpoint's manifest",
+    # none: --load-hf, which once needed two (config's parser reading config.json through the conversion's family
+    # tables; the training loop loading the weights through them), is assembled by the entry point
+    # (cli/pretrain.py: conversion.hf_source gives the parser the architecture and the Trainer its weight loader)
 }
 
 
@@ -277,3 +276,19 @@ def test_reading_a_checkpoint_manifest_imports_no_torch(tmp_path):
     architecture, heavy = json.loads(proc.stdout.strip().splitlines()[-1])
     assert architecture == {"num_layers": 2, "hidden_size": 32}
     assert heavy == [], f"reading a checkpoint manifest imported {heavy[:5]}"
+
+
+def test_load_hf_is_read_by_the_entry_points_parser(tmp_path):
+    """With no import against the order, --load-hf's config.json is read at the top: the configuration's own parser
+    refuses the flag naming the parser that reads it (conversion.hf_source.parse_args, which the entry points use),
+    and that one takes the architecture from config.json (in-process, about 1 s)."""
+    from megatron_patch.config import ConfigError, parse_args
+    from megatron_patch.conversion import hf_source
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "n_layer": 2, "n_embd": 32, "n_head": 4,
+                                                      "n_positions": 64, "vocab_size": 100}))
+    flags = ["--load-hf", str(tmp_path), "--mock-data", "--micro-batch-size", "1", "--train-iters", "1"]
+    with pytest.raises(ConfigError, match=r"megatron_patch\.conversion\.hf_source\.parse_args"):
+        parse_args(flags)
+    cfg = hf_source.parse_args(flags)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.model_vocab_size) == (2, 32, 4, 100)

@@ -9,12 +9,12 @@ from typing import List, Optional
 
 from megatron_patch.compat.quiet import quiet_known_noise
 from megatron_patch.templates.globals import get_logger, set_args
-from megatron_patch.training.entry import destroy_process_groups
 
 from megatron_patch.config.rapidformer_flags import UsageError, load_checked, parse_args
 from megatron_patch.templates.rules import check
 
 from .preflight import offline
+from .pretrain import destroy_process_groups
 from .status import CHECKED_ARGS, report_usage_error
 
 

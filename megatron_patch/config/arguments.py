@@ -2,10 +2,10 @@
 from __future__ import annotations
 
 import argparse
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional
 
 from .config import Config, ConfigError
-from . import flag_parser, hf_source, model_source
+from . import flag_parser, model_source
 from .flag_parser import EntryParser
 from .flags import moe_layer_freq  # noqa: F401  (re-exported: the --moe-layer-freq parser)
 from .presets import preset
@@ -33,9 +33,13 @@ def build_parser(model: str = "gpt") -> argparse.ArgumentParser:
         description=f"Pretrain {MODELS[model]} with megatron-core (TP/PP/DP, ZeRO-1, bf16/fp16).")
 
 
-def parse_args(argv: Optional[List[str]] = None, model: str = "gpt") -> Config:
+def parse_args(argv: Optional[List[str]] = None, model: str = "gpt",
+               hf_architecture: Optional[Callable[[str], Dict]] = None) -> Config:
     """Flags -> Config: defaults, then the family/size preset, then the flags given. `model` is the entry
-    point's kind: "gpt" (pretrain_megatron_gpt.py) or "bert" (pretrain_megatron_bert.py, always --model-family bert)."""
+    point's kind: "gpt" (pretrain_megatron_gpt.py) or "bert" (pretrain_megatron_bert.py, always --model-family bert).
+
+    `hf_architecture(DIR)` gives the architecture of --load-hf DIR (engine settings from its config.json); reading
+    it takes the conversion's family tables, a floor above: megatron_patch.conversion.hf_source.parse_args passes it."""
     given = vars(build_parser(model).parse_args(argv))
     values = {}
     family = given.get("model_family")
@@ -59,7 +63,11 @@ def parse_args(argv: Optional[List[str]] = None, model: str = "gpt") -> Config:
             raise ConfigError(str(e)) from None
     values.update(given)
     if given.get("load_hf"):  # the architecture of the Hugging Face model (and its dropout, unless given)
-        model_source.merge(values, given, hf_source.from_hf(given["load_hf"]), f"--load-hf {given['load_hf']}/config.json",
+        if hf_architecture is None:
+            raise ConfigError(f"--load-hf {given['load_hf']}: this parser does not read a Hugging Face model's "
+                              "config.json; parse with megatron_patch.conversion.hf_source.parse_args (the entry "
+                              "points do)")
+        model_source.merge(values, given, hf_architecture(given["load_hf"]), f"--load-hf {given['load_hf']}/config.json",
                            apply_other=True)
     elif given.get("load"):  # resuming: the architecture stored with the checkpoint
         stored = model_source.from_checkpoint(given["load"])

@@ -1,8 +1,8 @@
 """Where the model's architecture comes from when it is not given by flags: a Hugging Face directory
 (`--load-hf`: its config.json) or an engine checkpoint (`--load`: the configuration stored in its
 checkpoint.json). The user then does not repeat shapes; a flag that contradicts the source is refused. Reading a
-Hugging Face directory goes through the conversion's family tables: hf_source.py, apart, so that this module (which
-resume.py and the checkpoint code read) stays free of conversion."""
+Hugging Face directory goes through the conversion's family tables, a floor above: the entry point's parser
+(megatron_patch.conversion.hf_source.parse_args) reads it and hands the result to `merge`."""
 from __future__ import annotations
 
 from typing import Dict, Optional, Tuple

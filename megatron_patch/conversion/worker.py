@@ -76,18 +76,19 @@ def _is_reporting_rank() -> bool:
 def hf2mcore(args) -> int:
     """Build the model in the target layout in the Hugging Face dtype, load the weights, save them."""
     from megatron_patch.conversion import tables
-    from megatron_patch.conversion.hf_io import read_hf_config
+    from megatron_patch.conversion.hf_source import HFWeights
+    from megatron_patch.models.build import build_model, model_info
     from megatron_patch.training.checkpoint import Checkpointer, TrainState
-    from megatron_patch.training.loop import build_model, model_info
 
-    config = read_hf_config(args.load_dir)
+    weights = HFWeights(args.load_dir)  # its config.json, and the loader of its weights
+    config = weights.hf_config
     arch = tables.for_model_type(config.get("model_type", "")).engine_args(config)
     cfg = engine_config(args, arch, load_hf=args.load_dir, save=args.save_dir,
                         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
                         bf16=args.hf_dtype == "bfloat16", fp16=args.hf_dtype == "float16")  # exact: no rounding
     cfg = initialize_model_run(cfg)
-    model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
-    info = model_info(cfg, cfg.model_vocab_size)
+    model = build_model(cfg, cfg.model_vocab_size, for_training=False, load_weights=weights)  # no gradient buffers
+    info = model_info(cfg, cfg.model_vocab_size, weights.hf_config)
     info["hf_dtype"] = args.hf_dtype
     # Written into the parent's staging directory (--save-dir), which it renames to --publish-dir once verified:
     # the stored configuration names the directory the checkpoint is published as, not the staging one.
@@ -103,8 +104,8 @@ def verify_checkpoint(args) -> int:
     from megatron_patch.conversion.load_hf import load_global_weights
     from megatron_patch.conversion.mcore_reader import MegatronCheckpointReader
     from megatron_patch.conversion.verify import verify
+    from megatron_patch.models.build import build_model
     from megatron_patch.parallel import print_rank_0
-    from megatron_patch.training.loop import build_model
 
     reader = MegatronCheckpointReader(args.load_dir)
     info = reader.manifest.get("model", {})

@@ -2,17 +2,18 @@
 per virtual pipeline stage), initialised, with the model switches applied (grouped experts, gradient-accumulation
 fusion, --compile), and their wrappers for training (Float16Module; megatron-core DDP, whose distributed optimizer
 is ZeRO-1, or Megatron-FSDP for ZeRO-2). Weights from elsewhere (--load-hf) are loaded by the caller's
-`load_weights`, after initialisation and before the switches: the training loop passes conversion's loader."""
+`load_weights` (a WeightLoader), after initialisation and before the switches: the entry point builds it from the
+conversion (conversion.hf_source.HFWeights) and hands it to the training loop."""
 from __future__ import annotations
 
-from typing import Callable, Dict, List, Optional
+from typing import Dict, List, Optional, Protocol
 
 import torch
 from megatron.core import parallel_state as mpu
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 from megatron.core.transformer.module import Float16Module
 
-from megatron_patch.config.config import Config, ConfigError  # not the package: its parser reaches conversion
+from megatron_patch.config import Config, ConfigError
 from megatron_patch.parallel import print_rank_0
 
 from .bert import build_bert_model
@@ -21,6 +22,16 @@ from .gpt import build_gpt_model, padded_vocab_size
 from .grouped_experts import apply_grouped_experts
 from .init import layout_invariant_init
 from .wgrad_fusion import apply_gradient_accumulation_fusion
+
+
+class WeightLoader(Protocol):
+    """Weights from outside the engine loaded into this rank's bare model chunks (--load-hf:
+    megatron_patch.conversion.hf_source.HFWeights, which the entry point builds)."""
+
+    hf_config: Optional[Dict]  # the Hugging Face config.json the weights come from: the checkpoint's manifest keeps it
+
+    def __call__(self, chunks: List[torch.nn.Module], cfg: Config) -> None:
+        """Fill `chunks` (unwrapped, initialised) for the validated `cfg`. Collective."""
 
 
 def model_vocab_size(cfg: Config, tokenizer) -> int:
@@ -50,9 +61,13 @@ def build_model_chunk(cfg: Config, vocab_size: int, pre_process: bool, post_proc
 
 
 def build_model_chunks(cfg: Config, vocab_size: int,
-                       load_weights: Optional[Callable[[List[torch.nn.Module]], None]] = None) -> List[torch.nn.Module]:
+                       load_weights: Optional[WeightLoader] = None) -> List[torch.nn.Module]:
     """This rank's bare model chunks (GPTModel, or BertModel for --model-family bert; one per virtual pipeline
     stage), initialised (or loaded by `load_weights`, e.g. from --load-hf) and, with --compile, compiled."""
+    if cfg.load_hf and load_weights is None:  # else the model would train from random weights, silently
+        raise ValueError(f"load_hf={cfg.load_hf!r} needs the loader of its weights: pass "
+                         f"load_weights=megatron_patch.conversion.hf_source.HFWeights(cfg.load_hf) (the entry points "
+                         f"do; conversion.hf_source.build_model builds a model with it)")
     vpp = cfg.virtual_pipeline_model_parallel_size
     chunks = []
     for vp in range(vpp or 1):
@@ -67,7 +82,7 @@ def build_model_chunks(cfg: Config, vocab_size: int,
             layout_invariant_init(chunk, cfg.seed, cfg.init_method_std, cfg.swiglu)
         chunks.append(chunk)
     if load_weights is not None:  # before the wrappers: fp16/bf16 copies, DDP buffers and FSDP shards start from these
-        load_weights(chunks)
+        load_weights(chunks, cfg)
     if cfg.moe_grouped_gemm:
         print_rank_0(apply_grouped_experts(chunks))
     if cfg.gradient_accumulation_fusion:
@@ -75,6 +90,14 @@ def build_model_chunks(cfg: Config, vocab_size: int,
     if cfg.compile:
         print_rank_0(apply_compile(chunks, cfg.compile_mode))
     return chunks
+
+
+def build_model(cfg: Config, vocab_size: int, for_training: bool = True,
+                load_weights: Optional[WeightLoader] = None) -> List[torch.nn.Module]:
+    """This rank's model chunks (loaded by `load_weights`, if given), wrapped for mixed precision and megatron-core
+    DDP; with `for_training=False` the bare chunks (no gradient buffers: checkpoint conversion)."""
+    chunks = build_model_chunks(cfg, vocab_size, load_weights)
+    return wrap_model(cfg, chunks) if for_training else chunks
 
 
 def wrap_model(cfg: Config, chunks: List[torch.nn.Module]) -> List[torch.nn.Module]:

@@ -10,50 +10,42 @@ code runs as written while the schedule sends the recorded hidden states on.
 """
 from __future__ import annotations
 
+import argparse
 from typing import List, Optional
 
 import torch
 
 from megatron_patch.config import Config
 
-from .engine_config import engine_config  # noqa: F401  (re-exported: imported from here by tests)
-
-_CONFIG: Optional[Config] = None
-
-_WORLD = 1
+from .engine_config import engine_config  # (tests import it from here too)
 
 
-def set_current_config(cfg: Optional[Config], world_size: int = 1) -> None:
-    """Start (cfg = the flags without accelerations, process groups up) or end (None) a PreTrainer run."""
-    global _CONFIG, _BASE, _WORLD
-    _CONFIG, _BASE, _WORLD = None, cfg, world_size
+class MegatronRun:
+    """The engine side of one PreTrainer run, handed around explicitly (no module globals): the `rapidformer` flags
+    `args` of a world of `world_size` processes, their engine Config with every switch (ZeRO, precision,
+    recompute), and this rank's model chunks built from it, which GPTModel() in the user's hook returns
+    (PreTrainer.train enters `models.run_context.model_run(run.build_stage_model)` around the hook)."""
 
+    def __init__(self, args: argparse.Namespace, world_size: int) -> None:
+        self.args, self.world_size = args, world_size
+        self._config: Optional[Config] = None
 
-_BASE: Optional[Config] = None
+    def config(self) -> Config:
+        """The engine Config GPTModel() builds from. Built and validated on first use, so a Hugging Face run
+        never needs it."""
+        if self._config is None:
+            self._config = engine_config(self.args).validate(self.world_size)
+        return self._config
 
+    def build_stage_model(self) -> List[torch.nn.Module]:
+        """This rank's model chunks, built as `pretrain_megatron_gpt.py` builds them (the vocabulary of
+        --tokenizer-type/--vocab-file, the model switches). (`rapidformer` has no --load-hf: a PreTrainer run
+        starts from its --load or from initialised weights.)"""
+        from megatron_patch.models.build import build_model_chunks, model_vocab_size
+        from megatron_patch.training.data import tokenizer_from_config
 
-def current_config() -> Config:
-    """The engine Config of the PreTrainer run under way, with every switch (ZeRO, precision, recompute): what
-    GPTModel() builds from. Built and validated on first use, so a Hugging Face run never needs it."""
-    global _CONFIG
-    if _BASE is None:
-        raise RuntimeError("GPTModel() builds this rank's stage of the PreTrainer run's model: call it inside "
-                           "model_optimizer_lr_scheduler_provider(), once PreTrainer.train() has started")
-    if _CONFIG is None:
-        from .globals import get_args
-
-        _CONFIG = engine_config(get_args()).validate(_WORLD)
-    return _CONFIG
-
-
-def build_stage_model() -> List[torch.nn.Module]:
-    """This rank's model chunks of the PreTrainer run under way, built as `pretrain_megatron_gpt.py` builds them
-    (the vocabulary of --tokenizer-type/--vocab-file, --load-hf, the model switches): what GPTModel() returns."""
-    from megatron_patch.training.data import tokenizer_from_config
-    from megatron_patch.training.loop import build_model_chunks, model_vocab_size
-
-    cfg = current_config()
-    return build_model_chunks(cfg, model_vocab_size(cfg, tokenizer_from_config(cfg)))
+        cfg = self.config()
+        return build_model_chunks(cfg, model_vocab_size(cfg, tokenizer_from_config(cfg)))
 
 
 def is_megatron_model(model) -> bool:

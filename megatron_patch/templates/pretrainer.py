@@ -62,7 +62,7 @@ class PreTrainer:
         refuse_unused(args, (kind, "mg"), error=ConfigError)
         base = pretrain_megatron.engine_config(args, accelerations=False)
         base = initialize(base)  # process groups, then seeds: the engine's order, so the hooks draw the same numbers
-        pretrain_megatron.set_current_config(base, base.world_size)
+        run = pretrain_megatron.MegatronRun(args, base.world_size)  # the engine's side, if the model is a Megatron one
         if args.save is None:
             log.info("--save not given: no checkpoints are written")
         counts = sample_counts(base)
@@ -73,10 +73,10 @@ class PreTrainer:
         if train_ds is None:
             raise ValueError("train_valid_test_datasets_provider() returned no training dataset: check --split "
                              f"{args.split} and --data-path {args.data_path}")
-        with model_run(pretrain_megatron.build_stage_model):  # what GPTModel() in the user's hook builds
+        with model_run(run.build_stage_model):  # what GPTModel() in the user's hook builds
             model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
         if pretrain_megatron.is_megatron_model(model):
-            cfg = pretrain_megatron.current_config()  # what GPTModel() built from
+            cfg = run.config()  # what GPTModel() built from
             if optimizer is not None or scheduler is not None:
                 log.warning("a Megatron model trains with the engine's optimizer and schedule (from --optimizers, "
                             "--lr, --lr-decay-style ...): the optimizer/scheduler from "

@@ -11,6 +11,7 @@ mixed precision, checkpoints, logging) is the GPT engine's.
 from __future__ import annotations
 
 from functools import partial
+from typing import Optional
 
 import torch
 from megatron.core import parallel_state as mpu
@@ -21,7 +22,7 @@ from megatron_patch.data.datasets import build_bert_datasets
 from megatron_patch.models.bert import bert_pretraining_loss
 
 from .data import sample_counts
-from .loop import Trainer, no_loss, stage_flags
+from .loop import Trainer, WeightLoader, no_loss, stage_flags
 
 # One sample of megatron-core's BERT dataset (all int64): token ids, token types (0: sentence A, 1: B),
 # MLM labels (-1 where nothing is predicted), is_random (1: B is a random sentence, not A's next),
@@ -61,9 +62,9 @@ class BertTrainer(Trainer):
 
     reads_where = "tensor-parallel rank 0 of every pipeline stage, which all need the padding mask"
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, load_weights: Optional[WeightLoader] = None) -> None:
         self.loss_keys = ("lm loss", "sop loss") if cfg.bert_binary_head else ("lm loss",)
-        super().__init__(cfg)
+        super().__init__(cfg, load_weights)
 
     def _initialize(self, cfg: Config) -> Config:
         if cfg.model_family != "bert":
@@ -86,8 +87,9 @@ class BertTrainer(Trainer):
         return mpu.get_tensor_model_parallel_rank() == 0
 
 
-def pretrain_bert(cfg: Config) -> BertTrainer:
-    """Build and run a BERT pretraining job; returns the trainer (its `history` holds per-iteration metrics)."""
-    trainer = BertTrainer(cfg)
+def pretrain_bert(cfg: Config, load_weights: Optional[WeightLoader] = None) -> BertTrainer:
+    """Build and run a BERT pretraining job; returns the trainer (its `history` holds per-iteration metrics).
+    `load_weights`: weights from outside the engine (--load-hf), as for Trainer."""
+    trainer = BertTrainer(cfg, load_weights)
     trainer.train()
     return trainer

@@ -20,7 +20,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_patch.config import Config
 from megatron_patch.models import build
-from megatron_patch.models.build import model_vocab_size, wrap_model  # noqa: F401  (re-exported)
+from megatron_patch.models.build import WeightLoader, build_model, model_vocab_size, wrap_model  # noqa: F401  (re-exported)
 from megatron_patch.parallel import initialize, print_rank_0
 
 from .checkpoint import Checkpointer, TrainState
@@ -36,38 +36,6 @@ from .step_clock import StepClock
 
 class TrainingDiverged(RuntimeError):
     """Raised when the loss becomes NaN/Inf (with --exit-on-nan, the default)."""
-
-
-def model_info(cfg: Config, vocab: int) -> Dict:
-    """What a checkpoint records about the model besides its configuration (conversion reads it); with --load-hf,
-    the Hugging Face model's config.json too."""
-    hf_config = None
-    if cfg.load_hf:
-        from megatron_patch.conversion.hf_io import read_hf_config
-
-        hf_config = read_hf_config(cfg.load_hf)
-    return build.model_info(cfg, vocab, hf_config)
-
-
-def _load_hf(cfg: Config, chunks: List[torch.nn.Module]) -> None:
-    """--load-hf: the Hugging Face weights into the bare chunks, through conversion's table of the family."""
-    from megatron_patch.conversion.load_hf import describe_load, load_hf_weights
-
-    loaded = load_hf_weights(chunks, cfg, cfg.load_hf)
-    for line in describe_load(loaded, f"--load-hf {cfg.load_hf}"):
-        print_rank_0(line)
-
-
-def build_model_chunks(cfg: Config, vocab_size: int) -> List[torch.nn.Module]:
-    """models.build.build_model_chunks, with --load-hf's weights loaded before the model switches apply."""
-    return build.build_model_chunks(cfg, vocab_size, load_weights=partial(_load_hf, cfg) if cfg.load_hf else None)
-
-
-def build_model(cfg: Config, vocab_size: int, for_training: bool = True) -> List[torch.nn.Module]:
-    """Model chunks of this rank (--load-hf's weights loaded), wrapped for mixed precision and megatron-core DDP;
-    with `for_training=False` the bare GPTModel chunks (no gradient buffers: checkpoint conversion)."""
-    chunks = build_model_chunks(cfg, vocab_size)
-    return wrap_model(cfg, chunks) if for_training else chunks
 
 
 def _device() -> torch.device:
@@ -183,7 +151,10 @@ class Trainer:
     # where the device works asynchronously (see train()).
     defer_step_metrics: Optional[bool] = None
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, load_weights: Optional[WeightLoader] = None) -> None:
+        """`load_weights`: weights from outside the engine (--load-hf: the entry point passes
+        conversion.hf_source.weights_for(cfg)), loaded into the model before its wrappers."""
+        self.load_weights = load_weights
         self.cfg = self._initialize(cfg)
         self.tokenizer = tokenizer_from_config(cfg)
         # Data first: a bad --data-path or out-of-vocabulary ids are reported before the model is built.
@@ -197,7 +168,7 @@ class Trainer:
         tconfig.grad_scale_func = self.optimizer.scale_loss
         if cfg.zero_2_memory_optimization:
             tconfig.no_sync_func = self.model[0].no_sync  # reduce-scatter once per step, not per micro batch
-        self.checkpointer = Checkpointer(cfg, self.model, self.optimizer, self.scheduler, model_info=model_info(cfg, vocab))
+        self.checkpointer = Checkpointer(cfg, self.model, self.optimizer, self.scheduler, model_info=self._model_info(vocab))
         self.state = (self.checkpointer.load() if cfg.load else None) or TrainState()
         self.validator = Validator(cfg, self.valid_ds, partial(self._iterators, cycle=True), self.evaluate)
         self.num_params = count_parameters(self.model)
@@ -215,7 +186,12 @@ class Trainer:
         return build_datasets(self.cfg, self.tokenizer)
 
     def _build_chunks(self, vocab: int) -> List[torch.nn.Module]:
-        return build_model_chunks(self.cfg, vocab)
+        return build.build_model_chunks(self.cfg, vocab, self.load_weights)
+
+    def _model_info(self, vocab: int) -> Dict:
+        """What the checkpoint records about the model (with --load-hf, the Hugging Face config.json)."""
+        hf_config = self.load_weights.hf_config if self.load_weights is not None else None
+        return build.model_info(self.cfg, vocab, hf_config)
 
     def _forward_step_func(self):
         """megatron-core's forward-step contract: (data_iterator, model) -> (output, loss_func)."""
@@ -445,8 +421,9 @@ class Trainer:
         return self.history
 
 
-def pretrain(cfg: Config) -> Trainer:
-    """Build and run a pretraining job; returns the Trainer (its `history` holds per-iteration metrics)."""
-    trainer = Trainer(cfg)
+def pretrain(cfg: Config, load_weights: Optional[WeightLoader] = None) -> Trainer:
+    """Build and run a pretraining job; returns the Trainer (its `history` holds per-iteration metrics).
+    `load_weights`: see Trainer."""
+    trainer = Trainer(cfg, load_weights)
     trainer.train()
     return trainer

@@ -1,5 +1,8 @@
 """The shared `main` of the pretraining entry points (pretrain_megatron_gpt.py, pretrain_megatron_bert.py).
 
+The top of the house assembles the run: with --load-hf DIR the flags are parsed through the conversion
+(conversion.hf_source: DIR's config.json gives the architecture) and the training loop is handed the loader of
+DIR's weights, so neither the configuration nor the loop imports the conversion.
 Flags are parsed and validated before torch and megatron-core are imported; `--validate-only` checks the
 configuration and the data for WORLD_SIZE processes and stops. A configuration or data error is printed once
 (by local rank 0 of each machine) as `configuration error: ...` or `data error: ...`, and every rank exits
@@ -11,7 +14,8 @@ import os
 import sys
 from typing import List, Optional
 
-from megatron_patch.config import Config, ConfigError, parse_args
+from megatron_patch.config import Config, ConfigError
+from megatron_patch.conversion.hf_source import parse_args, weights_for  # light: no torch
 from megatron_patch.data.checks import DataError
 from megatron_patch.data.indexed_dataset import CorruptIndexError
 from megatron_patch.data.tokenizers import TokenizerError
@@ -50,14 +54,15 @@ def describe(cfg: Config, data: str) -> str:
 
 
 def _pretrain(cfg: Config, model: str) -> None:
+    load_weights = weights_for(cfg)  # --load-hf: the Hugging Face weights, through the family's table
     if model == "bert":
         from megatron_patch.training.bert import pretrain_bert
 
-        pretrain_bert(cfg)
+        pretrain_bert(cfg, load_weights)
     else:
         from megatron_patch.training.loop import pretrain
 
-        pretrain(cfg)
+        pretrain(cfg, load_weights)
 
 
 def main(argv: Optional[List[str]] = None, model: str = "gpt") -> int:
