@@ -196,6 +196,11 @@ def test_tensor_parallelism_with_a_hugging_face_model_is_refused(corpora, tmp_pa
     proc = rapidformer(*_bert_flags(model, corpora, 2, "--tensor-model-parallel-size", "2", "--nproc-per-node", "2"))
     assert proc.returncode != 0
     assert "tensor and pipeline parallelism are for Megatron models" in proc.stdout + proc.stderr
+    # a PreTrainer script given --epochs (a fine-tuning run's length) instead of --train-iters: refused once
+    # PreTrainer.train() says the script pretrains (the command line alone cannot tell)
+    proc = rapidformer(*_without(_bert_flags(model, corpora, 2), "--train-iters"), "--epochs", "1")
+    assert proc.returncode != 0
+    assert "pretraining is iteration-based: give --train-iters N" in proc.stdout + proc.stderr, explain(proc)
 
 
 def test_front_end_rules_for_pretraining():
@@ -282,7 +287,7 @@ def test_dynamic_shape_keeps_each_steps_samples_and_their_losses_with_less_paddi
 
     from megatron_patch.config.rapidformer_flags import parse_args
     from megatron_patch.templates.globals import set_args
-    from megatron_patch.templates.pretrain_hf import DynamicShape
+    from megatron_patch.data.dynamic_shape import StepBuckets
     from megatron_patch.templates.pretraining_data import build_train_valid_test_datasets_for_huggingface
 
     set_args(parse_args(["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", corpora["wp_vocab"]]))
@@ -290,7 +295,7 @@ def test_dynamic_shape_keeps_each_steps_samples_and_their_losses_with_less_paddi
                                                                   0.15, 0.1, 5, True, True)
     loader = torch.utils.data.DataLoader(train, batch_size=4)
     fixed = [b for _, b in zip(range(12), loader)]
-    dyn = DynamicShape(iter(fixed), accum=3, micro_batch_size=4, seq_length=128, multiple=8)
+    dyn = StepBuckets(iter(fixed), accum=3, micro_batch_size=4, seq_length=128, multiple=8)
     steps = []
     for _ in range(4):  # 4 steps of 3 fixed micro batches each
         n = dyn.next_step()
@@ -854,10 +859,10 @@ def test_dynamic_shape_micro_batches_are_contiguous_at_seq_512():
     (labels.view(-1) failed on the slice: the seed's PreTrainer sample at 512)."""
     from transformers import BertConfig, BertForPreTraining
 
-    from megatron_patch.templates.pretrain_hf import DynamicShape
+    from megatron_patch.data.dynamic_shape import StepBuckets
 
     fixed = _synthetic_batches([30, 100, 200, 500, 40, 60, 300, 20], 4, 512)
-    dyn = DynamicShape(iter(fixed), accum=2, micro_batch_size=4, seq_length=512, multiple=64)
+    dyn = StepBuckets(iter(fixed), accum=2, micro_batch_size=4, seq_length=512, multiple=64)
     batches = [next(dyn) for _ in range(dyn.next_step())]
     assert any(b["input_ids"].shape[0] > 1 and b["input_ids"].shape[1] < 512 for b in batches)
     torch.manual_seed(0)
@@ -883,7 +888,7 @@ def _equalize_worker(rank, store, out_dir, steps):
     import torch.distributed as dist
 
     from megatron_patch.data.packing import bucket_by_length
-    from megatron_patch.templates.pretrain_hf import DynamicShape
+    from megatron_patch.data.dynamic_shape import StepBuckets
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -891,7 +896,7 @@ def _equalize_worker(rank, store, out_dir, steps):
         table = torch.randn(100, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
         fixed = [b for k, step in enumerate(steps) for b in _synthetic_batches(step[rank], 2, 256,
                                                                                first_id=1000 * rank + 8 * k)]
-        dyn = DynamicShape(iter(fixed), accum=4, micro_batch_size=2, seq_length=256, multiple=16)
+        dyn = StepBuckets(iter(fixed), accum=4, micro_batch_size=2, seq_length=256, multiple=16)
         result = []
         for k, step in enumerate(steps):
             own = len(bucket_by_length(step[rank], 2 * 256, 16))

@@ -4,6 +4,9 @@ fixed-shape pads every micro batch to `--seq-length`. dynamic-shape groups sampl
 (megatron_patch._C bucketing) under a token budget of micro_batch_size x seq_length and pads each batch
 only to its longest sample rounded up to a multiple of 8 (or 64), so far fewer pad tokens are computed.
 Batch order is shuffled with the seed, so training does not see lengths in sorted order.
+
+`StepBuckets` does the same for the PreTrainer's Hugging Face loop, one optimizer step at a time (the samples of
+a step stay the fixed-shape ones, so a resumed run reads what the whole run would).
 """
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from typing import Dict, Iterator, List, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from .packing import bucket_by_length
 
@@ -114,3 +118,80 @@ class DocumentSamples:
     def __getitem__(self, doc: int) -> np.ndarray:
         parts = self.dataset.document(doc)
         return np.concatenate(parts) if len(parts) > 1 else parts[0]
+
+
+class StepBuckets:
+    """`--data-iterator dynamic-shape`: the samples of one optimizer step (this worker's share of a global batch:
+    the same samples as fixed-shape) are bucketed by length with the C++ helper (`packing.bucket_by_length`)
+    into micro batches of at most --micro-batch-size x --seq-length tokens after padding, each cut to its
+    longest sample rounded up to `multiple`: short samples travel many to a micro batch, long ones few. Padding is
+    masked out of attention and of the loss, so every sample's loss is the one fixed-shape gives; each micro
+    batch's loss is weighted by its share of the step's samples. Every worker runs the same number of micro
+    batches (FSDP gathers parameters per forward): a worker with fewer splits its largest.
+
+    The PreTrainer's HF loop (templates/pretrain_hf.py) calls `next_step()` -> number of micro batches (and `weights`), then draws that many batches."""
+
+    def __init__(self, base, accum: int, micro_batch_size: int, seq_length: int, multiple: int = 64) -> None:
+        self.base, self.accum, self.seq_length, self.multiple = base, accum, seq_length, multiple
+        self.budget = micro_batch_size * seq_length
+        self.real = self.computed = self.fixed = 0
+        self.weights: List[float] = []
+        self._queue: List[Dict] = []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> Dict:
+        if not self._queue:
+            raise RuntimeError("dynamic-shape: run_forward_step drew more micro batches than this step has; draw one "
+                               "batch per call")
+        return self._queue.pop(0)
+
+    def next_step(self) -> int:
+        batches = [next(self.base) for _ in range(self.accum)]
+        if "attention_mask" not in batches[0]:
+            raise ValueError("--data-iterator dynamic-shape cuts the padding of samples with an attention_mask "
+                             "(BERT-style sentence pairs); these samples have none (GPT samples are packed to "
+                             "--seq-length and carry no padding): drop the flag")
+        merged = {k: torch.cat([torch.as_tensor(b[k]) for b in batches]) for k in batches[0]}
+        lengths = merged["attention_mask"].sum(dim=1)
+        groups = bucket_by_length(lengths.numpy(), self.budget, self.multiple)
+        groups = _equalize(groups)
+        total, full = len(lengths), merged["attention_mask"].shape[1]
+        self._queue, self.weights = [], []
+        for idx in groups:
+            idx = torch.as_tensor(idx)
+            width = padded_length(lengths[idx], "dynamic-shape", self.seq_length, self.multiple)
+            # contiguous: a width slice of [samples, full] is a strided view, and models call .view() on their
+            # inputs (transformers' BERT: labels.view(-1))
+            self._queue.append({k: (v[idx][:, :width].contiguous() if v.dim() >= 2 and v.shape[1] == full else v[idx])
+                                for k, v in merged.items()})
+            self.weights.append(len(idx) / total)
+            self.real += int(lengths[idx].sum())
+            self.computed += len(idx) * width
+        self.fixed += total * full
+        return len(groups)
+
+    def describe(self) -> str:
+        pad = 1 - self.real / self.computed if self.computed else 0.0
+        fixed = 1 - self.real / self.fixed if self.fixed else 0.0
+        return (f"dynamic-shape: padding {pad:.1%} of computed tokens (fixed-shape: {fixed:.1%}); "
+                f"{self.computed:,} tokens computed instead of {self.fixed:,}")
+
+
+def _equalize(groups: List) -> List:
+    """The same number of micro batches on every worker: split the largest group until all have the maximum."""
+    count = torch.tensor([len(groups)], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            count = count.cuda()
+        dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    groups = list(groups)
+    while len(groups) < int(count.item()):
+        big = max(range(len(groups)), key=lambda i: len(groups[i]))
+        if len(groups[big]) < 2:
+            break  # nothing left to split: every worker then still draws its own count (cannot happen with
+            # equal micro batch sizes, since the maximum count is at most the step's samples)
+        g = groups.pop(big)
+        groups[big:big] = [g[: len(g) // 2], g[len(g) // 2:]]
+    return groups

@@ -1,7 +1,8 @@
 """The front end's table of named rules (the engine's Check frame, config/rule.py): rules register with
 `@front_rule(concern)` as a function (args, world_size) -> refusal or None; `run_front` runs those of the concerns
 asked for, in table order, and raises the first refusal. The launching process runs the command line's rules
-(rules.py); the rules of a Megatron model (megatron_rules.py) run where the model says what it is."""
+(rules.py); the rules of a PreTrainer and of the model it built (model_rules.py, megatron_rules.py) run where
+the script says what it is."""
 from __future__ import annotations
 
 import argparse
@@ -10,6 +11,10 @@ from typing import Callable, List, Type
 from megatron_patch.config.rule import Check
 
 FRONT_CHECKS: List[Check] = []
+
+# concerns whose rules need what the user's script built (model_rules.py, megatron_rules.py): they run there, not
+# with the command line's rules
+MODEL_CONCERNS = ("pretrainer", "hf_model", "megatron_model")
 
 
 def front_rule(concern: str):

@@ -12,104 +12,16 @@ from __future__ import annotations
 from typing import Dict, List
 
 import torch
-import torch.distributed as dist
 
+from megatron_patch.config import ConfigError
 from megatron_patch.config.checkpoint_layout import TRACKER, CheckpointError
+from megatron_patch.data.dynamic_shape import StepBuckets
 
+from . import model_rules  # noqa: F401  (registers the rule of a Hugging Face model)
+from .front_table import run_front
 from .globals import get_logger
 from .reporting import LoopReporter, mean_over_workers
 from .torch_loop import IteratorBatches, Progress, Stop, TorchLoop, TrainStep, Validator, accelerate_for_loop
-
-
-class DynamicShape:
-    """`--data-iterator dynamic-shape`: the samples of one optimizer step (this worker's share of a global batch:
-    the same samples as fixed-shape) are bucketed by length with the C++ helper (`packing.bucket_by_length`)
-    into micro batches of at most --micro-batch-size x --seq-length tokens after padding, each cut to its
-    longest sample rounded up to `multiple`: short samples travel many to a micro batch, long ones few. Padding is
-    masked out of attention and of the loss, so every sample's loss is the one fixed-shape gives; each micro
-    batch's loss is weighted by its share of the step's samples. Every worker runs the same number of micro
-    batches (FSDP gathers parameters per forward): a worker with fewer splits its largest.
-
-    The loop calls `next_step()` -> number of micro batches (and `weights`), then draws that many batches."""
-
-    def __init__(self, base, accum: int, micro_batch_size: int, seq_length: int, multiple: int = 64) -> None:
-        self.base, self.accum, self.seq_length, self.multiple = base, accum, seq_length, multiple
-        self.budget = micro_batch_size * seq_length
-        self.real = self.computed = self.fixed = 0
-        self.weights: List[float] = []
-        self._queue: List[Dict] = []
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> Dict:
-        if not self._queue:
-            raise RuntimeError("dynamic-shape: run_forward_step drew more micro batches than this step has; draw one "
-                               "batch per call")
-        return self._queue.pop(0)
-
-    def next_step(self) -> int:
-        from megatron_patch.data.packing import bucket_by_length
-
-        batches = [next(self.base) for _ in range(self.accum)]
-        if "attention_mask" not in batches[0]:
-            raise ValueError("--data-iterator dynamic-shape cuts the padding of samples with an attention_mask "
-                             "(BERT-style sentence pairs); these samples have none (GPT samples are packed to "
-                             "--seq-length and carry no padding): drop the flag")
-        merged = {k: torch.cat([torch.as_tensor(b[k]) for b in batches]) for k in batches[0]}
-        lengths = merged["attention_mask"].sum(dim=1)
-        groups = bucket_by_length(lengths.numpy(), self.budget, self.multiple)
-        groups = _equalize(groups)
-        total, full = len(lengths), merged["attention_mask"].shape[1]
-        self._queue, self.weights = [], []
-        for idx in groups:
-            idx = torch.as_tensor(idx)
-            width = min(self.seq_length, int(-(-int(lengths[idx].max()) // self.multiple) * self.multiple))
-            # contiguous: a width slice of [samples, full] is a strided view, and models call .view() on their
-            # inputs (transformers' BERT: labels.view(-1))
-            self._queue.append({k: (v[idx][:, :width].contiguous() if v.dim() >= 2 and v.shape[1] == full else v[idx])
-                                for k, v in merged.items()})
-            self.weights.append(len(idx) / total)
-            self.real += int(lengths[idx].sum())
-            self.computed += len(idx) * width
-        self.fixed += total * full
-        return len(groups)
-
-    def describe(self) -> str:
-        pad = 1 - self.real / self.computed if self.computed else 0.0
-        fixed = 1 - self.real / self.fixed if self.fixed else 0.0
-        return (f"dynamic-shape: padding {pad:.1%} of computed tokens (fixed-shape: {fixed:.1%}); "
-                f"{self.computed:,} tokens computed instead of {self.fixed:,}")
-
-
-def _equalize(groups: List) -> List:
-    """The same number of micro batches on every worker: split the largest group until all have the maximum."""
-    count = torch.tensor([len(groups)], dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        if dist.get_backend() == "nccl":
-            count = count.cuda()
-        dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    groups = list(groups)
-    while len(groups) < int(count.item()):
-        big = max(range(len(groups)), key=lambda i: len(groups[i]))
-        if len(groups[big]) < 2:
-            break  # nothing left to split: every worker then still draws its own count (cannot happen with
-            # equal micro batch sizes, since the maximum count is at most the step's samples)
-        g = groups.pop(big)
-        groups[big:big] = [g[: len(g) // 2], g[len(g) // 2:]]
-    return groups
-
-
-def check_not_parallel(cfg) -> None:
-    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
-    if tp > 1 or pp > 1:
-        from megatron_patch.config import ConfigError
-
-        raise ConfigError(f"--tensor-model-parallel-size {tp} --pipeline-model-parallel-size {pp}: tensor and pipeline "
-                          "parallelism are for Megatron models (the guide), and model_optimizer_lr_scheduler_provider() "
-                          "returned a Hugging Face/PyTorch model. Drop the two flags (data parallelism and "
-                          "--zero-*/--fsdp-memory-optimization shard a Hugging Face model), or build a Megatron model, "
-                          "e.g. megatron_patch.models.GPTModel()")
 
 
 # ---- the run: the torch loop's parts for a pretraining run ----------------------------------------------------
@@ -124,7 +36,7 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
     from .schedule import scheduler_for
 
     args, log = pretrainer.args, get_logger()
-    check_not_parallel(cfg)
+    run_front(args, cfg.world_size, lambda concern: concern == "hf_model", ConfigError)  # model_rules.py
     train_ds, valid_ds, _test_ds = datasets
     device = pretrainer.device
     resume = None
@@ -173,8 +85,8 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
     if dynamic:  # training only: validation batches stay fixed-shape, so their losses compare across runs
         # widths rounded to 64 tokens (--pad-to-multiple-of): each new batch shape costs the GPU a slow first
         # step (measured: ~100 vs ~400 samples/s on BERT-base), so few distinct widths pay
-        train_iter = DynamicShape(train_iter, accum, cfg.micro_batch_size, cfg.seq_length,
-                                  args.pad_to_multiple_of or 64)
+        train_iter = StepBuckets(train_iter, accum, cfg.micro_batch_size, cfg.seq_length,
+                                 args.pad_to_multiple_of or 64)
     reporter = LoopReporter(args, pretrainer.engine.rank, cfg.train_iters, "iteration")
     if dynamic:
         reporter.describe_data = lambda last: (f" | {train_iter.describe()}" if last else "",

@@ -52,11 +52,12 @@ class PreTrainer:
         from megatron_patch.parallel import initialize
         from megatron_patch.training.data import sample_counts
 
+        from . import model_rules  # noqa: F401  (registers the rules of a PreTrainer and of a Hugging Face model)
         from . import pretrain_megatron
+        from .front_table import run_front
 
         args, log = self.args, get_logger()
-        if not args.train_iters:
-            raise ConfigError("pretraining is iteration-based: give --train-iters N (--epochs is for fine-tuning)")
+        run_front(args, self.engine.world_size, lambda concern: concern == "pretrainer", ConfigError)
         # flags no pretraining run reads (--epochs, --eval-at-start ...); the rest once the model says its kind
         kind = "pt" if args.task == "pretraining" and not args.user_script else "hf"
         refuse_unused(args, (kind, "mg"), error=ConfigError)

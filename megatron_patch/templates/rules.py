@@ -16,7 +16,7 @@ from typing import Optional
 from megatron_patch.config.rapidformer_flags import FINETUNE_TASKS, UsageError
 from megatron_patch.config.flag_use import refuse_unused, run_kinds
 
-from .front_table import front_rule, run_front
+from .front_table import MODEL_CONCERNS, front_rule, run_front
 
 DEFAULT_EPOCHS = 3
 DEFAULT_LR = 5e-5
@@ -212,8 +212,8 @@ def check(args: argparse.Namespace, world_size: int) -> argparse.Namespace:
     # the launch rules first: they need no defaults and import nothing, so a missing flag is reported at once
     run_front(args, world_size, lambda concern: concern == "launch", UsageError)
     resolve_front(args, world_size)
-    # the rest of the command line's rules; a Megatron model's (megatron_model) run where the model is known
-    run_front(args, world_size, lambda concern: concern not in ("launch", "megatron_model"), UsageError)
+    # the rest of the command line's rules; those of the script's PreTrainer and model run where they are known
+    run_front(args, world_size, lambda concern: concern != "launch" and concern not in MODEL_CONCERNS, UsageError)
     # last, so the specific refusals above speak first; what the model decides: preflight and the templates
     refuse_unused(args, run_kinds(args))
     return args

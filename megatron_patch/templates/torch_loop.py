@@ -145,7 +145,7 @@ class EpochBatches:
 
 class IteratorBatches:
     """Micro batches from one endless iterator that the forward hook draws from: `accum` per step, or as many as
-    dynamic-shape (`DynamicShape.next_step`) cuts the step's samples into, weighted by their share."""
+    dynamic-shape (`data.dynamic_shape.StepBuckets.next_step`) cuts the step's samples into, weighted by their share."""
 
     def __init__(self, iterator, accum: int, global_batch_size: int, dynamic: bool = False) -> None:
         self.iterator, self.accum, self.global_batch_size, self.dynamic = iterator, accum, global_batch_size, dynamic

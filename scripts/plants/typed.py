@@ -58,4 +58,15 @@ PLANTS = [
          property="BERT pretraining's data rules (no --mock-data, a WordPiece tokenizer) refuse every BERT run, also "
                   "one that only builds the model (a converted BERT with mock data)",
          tests=["tests/test_bert_model.py::test_layout_matches_transformers"]),
+    dict(name="pretrainer-rule-not-run", file="megatron_patch/templates/pretrainer.py",
+         original="        run_front(args, self.engine.world_size, lambda concern: concern == \"pretrainer\", ConfigError)\n",
+         replacement="",
+         property="a PreTrainer script given --epochs instead of --train-iters is refused in words (the front end's "
+                  "rule of concern 'pretrainer', run by PreTrainer.train())",
+         tests=["tests/test_pretrainer.py::test_tensor_parallelism_with_a_hugging_face_model_is_refused"]),
+    dict(name="hf-model-rule-not-run", file="megatron_patch/templates/model_rules.py",
+         original="    if tp > 1 or pp > 1:",
+         replacement="    if False:",
+         property="tensor/pipeline parallelism with a Hugging Face model is refused in words (rule hf_model)",
+         tests=["tests/test_pretrainer.py::test_tensor_parallelism_with_a_hugging_face_model_is_refused"]),
 ]
