@@ -155,7 +155,7 @@ class Trainer:
         """`load_weights`: weights from outside the engine (--load-hf: the entry point passes
         conversion.hf_source.weights_for(cfg)), loaded into the model before its wrappers."""
         self.load_weights = load_weights
-        self.cfg = self._initialize(cfg)
+        cfg = self.cfg = self._initialize(cfg)  # the validated Config (resolved defaults): used from here on
         self.tokenizer = tokenizer_from_config(cfg)
         # Data first: a bad --data-path or out-of-vocabulary ids are reported before the model is built.
         self.train_ds, self.valid_ds, self.test_ds = self._build_datasets()

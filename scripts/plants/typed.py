@@ -69,4 +69,11 @@ PLANTS = [
          replacement="    if False:",
          property="tensor/pipeline parallelism with a Hugging Face model is refused in words (rule hf_model)",
          tests=["tests/test_pretrainer.py::test_tensor_parallelism_with_a_hugging_face_model_is_refused"]),
+    dict(name="trainer-builds-from-the-unresolved-config", file="megatron_patch/training/loop.py",
+         original="        cfg = self.cfg = self._initialize(cfg)",
+         replacement="        self.cfg = self._initialize(cfg)",
+         property="the Trainer builds its model, optimizer and checkpoint from the validated Config (resolve()'s "
+                  "defaults: max positions, global batch), not from the one it was handed (stored max positions "
+                  "None: verify then compares more positions than the model was trained on)",
+         tests=["tests/test_conversion_export.py::test_a_wrong_export_fails_verify_and_leaves_nothing"]),
 ]
