@@ -14,7 +14,7 @@ FRONT_CHECKS: List[Check] = []
 
 # concerns whose rules need what the user's script built (model_rules.py, megatron_rules.py): they run there, not
 # with the command line's rules
-MODEL_CONCERNS = ("pretrainer", "hf_model", "megatron_model")
+MODEL_CONCERNS = ("pretrainer", "megatron_model")
 
 
 def front_rule(concern: str):

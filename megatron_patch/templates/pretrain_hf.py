@@ -13,12 +13,9 @@ from typing import Dict, List
 
 import torch
 
-from megatron_patch.config import ConfigError
 from megatron_patch.config.checkpoint_layout import TRACKER, CheckpointError
 from megatron_patch.data.dynamic_shape import StepBuckets
 
-from . import model_rules  # noqa: F401  (registers the rule of a Hugging Face model)
-from .front_table import run_front
 from .globals import get_logger
 from .reporting import LoopReporter, mean_over_workers
 from .torch_loop import IteratorBatches, Progress, Stop, TorchLoop, TrainStep, Validator, accelerate_for_loop
@@ -36,7 +33,6 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
     from .schedule import scheduler_for
 
     args, log = pretrainer.args, get_logger()
-    run_front(args, cfg.world_size, lambda concern: concern == "hf_model", ConfigError)  # model_rules.py
     train_ds, valid_ds, _test_ds = datasets
     device = pretrainer.device
     resume = None

@@ -52,7 +52,7 @@ class PreTrainer:
         from megatron_patch.parallel import initialize
         from megatron_patch.training.data import sample_counts
 
-        from . import model_rules  # noqa: F401  (registers the rules of a PreTrainer and of a Hugging Face model)
+        from . import model_rules  # noqa: F401  (registers the rules of a PreTrainer)
         from . import pretrain_megatron
         from .front_table import run_front
 

@@ -64,11 +64,6 @@ PLANTS = [
          property="a PreTrainer script given --epochs instead of --train-iters is refused in words (the front end's "
                   "rule of concern 'pretrainer', run by PreTrainer.train())",
          tests=["tests/test_pretrainer.py::test_tensor_parallelism_with_a_hugging_face_model_is_refused"]),
-    dict(name="hf-model-rule-not-run", file="megatron_patch/templates/model_rules.py",
-         original="    if tp > 1 or pp > 1:",
-         replacement="    if False:",
-         property="tensor/pipeline parallelism with a Hugging Face model is refused in words (rule hf_model)",
-         tests=["tests/test_pretrainer.py::test_tensor_parallelism_with_a_hugging_face_model_is_refused"]),
     dict(name="trainer-builds-from-the-unresolved-config", file="megatron_patch/training/loop.py",
          original="        cfg = self.cfg = self._initialize(cfg)",
          replacement="        self.cfg = self._initialize(cfg)",
@@ -76,4 +71,10 @@ PLANTS = [
                   "defaults: max positions, global batch), not from the one it was handed (stored max positions "
                   "None: verify then compares more positions than the model was trained on)",
          tests=["tests/test_conversion_export.py::test_a_wrong_export_fails_verify_and_leaves_nothing"]),
+    dict(name="hf-model-takes-tensor-parallelism", file="megatron_patch/config/flag_use.py",
+         original="tensor_model_parallel_size             no         no         no         no         acts",
+         replacement="tensor_model_parallel_size             no         no         no         acts       acts",
+         property="tensor/pipeline parallelism given to a PreTrainer whose model is a Hugging Face one is refused in "
+                  "words once the model says its kind (flag_use's table), not trained as something else",
+         tests=["tests/test_pretrainer.py::test_tensor_parallelism_with_a_hugging_face_model_is_refused"]),
 ]
