@@ -324,7 +324,7 @@ def _build_reference(out: str, flags) -> None:
     from megatron_patch.config import parse_args
     from megatron_patch.parallel import destroy, initialize
     from megatron_patch.training.checkpoint.torch_dist import unwrap
-    from megatron_patch.training.loop import build_model
+    from megatron_patch.models.build import build_model
 
     from engine_utils import TINY
 

@@ -85,7 +85,7 @@ def _loss_func(loss: torch.Tensor):
 
 def megatron_forward_step(run_forward_step):
     """megatron-core's forward-step function around the user's `run_forward_step(data_iterator, model)`."""
-    from megatron_patch.training.loop import no_loss, stage_flags
+    from megatron_patch.training.step import no_loss, stage_flags
 
     def forward_step(data_iterator, model):
         last = stage_flags(model)[1]

@@ -20,9 +20,11 @@ from megatron_patch.config import Config, ConfigError
 from megatron_patch.config.validate import validate_bert_pretraining
 from megatron_patch.data.datasets import build_bert_datasets
 from megatron_patch.models.bert import bert_pretraining_loss
+from megatron_patch.models.build import WeightLoader
 
 from .data import sample_counts
-from .loop import Trainer, WeightLoader, no_loss, stage_flags
+from .loop import Trainer
+from .step import no_loss, stage_flags
 
 # One sample of megatron-core's BERT dataset (all int64): token ids, token types (0: sentence A, 1: B),
 # MLM labels (-1 where nothing is predicted), is_random (1: B is a random sentence, not A's next),

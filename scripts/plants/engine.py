@@ -69,7 +69,7 @@ PLANTS = [
          replacement="        tconfig.grad_scale_func = lambda loss: self.optimizer.scale_loss(loss) * cfg.num_microbatches",
          property="each micro batch's loss is scaled by 1/num-micro-batches (gradients are the global batch's mean)",
          tests=["tests/test_engine_parallel.py::test_one_micro_batch_trains_like_four"]),
-    dict(name="reported-loss-divided-in-place", file="megatron_patch/training/loop.py",
+    dict(name="reported-loss-divided-in-place", file="megatron_patch/training/step.py",
          original='        return loss, {"lm loss": loss.detach().clone()}',
          replacement='        return loss, {"lm loss": loss.detach()}',
          property="the reported loss is the global batch's mean, not divided by num-micro-batches (the schedule "
