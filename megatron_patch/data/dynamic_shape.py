@@ -129,7 +129,8 @@ class StepBuckets:
     batch's loss is weighted by its share of the step's samples. Every worker runs the same number of micro
     batches (FSDP gathers parameters per forward): a worker with fewer splits its largest.
 
-    The PreTrainer's HF loop (templates/pretrain_hf.py) calls `next_step()` -> number of micro batches (and `weights`), then draws that many batches."""
+    The PreTrainer's HF loop (templates/pretrain_hf.py) calls `next_step()` -> number of micro batches (and
+    `weights`), then draws that many batches."""
 
     def __init__(self, base, accum: int, micro_batch_size: int, seq_length: int, multiple: int = 64) -> None:
         self.base, self.accum, self.seq_length, self.multiple = base, accum, seq_length, multiple
