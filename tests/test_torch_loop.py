@@ -28,7 +28,7 @@ def _parts(seed=0):
     return model, optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0)
 
 
-def _loop(tmp_path, n_rows, micro, accum, stop, every=0, checkpointer=None):
+def _loop(tmp_path, n_rows, micro, accum, stop, every=0, checkpointer=None, log_interval=1, clip=0.0, total=None):
     """A TorchLoop over `n_rows` rows (id in column 0) in micro batches of `micro`; records the ids each step
     trained on and the steps at which it evaluated."""
     model, optimizer, scheduler = _parts()
@@ -49,10 +49,10 @@ def _loop(tmp_path, n_rows, micro, accum, stop, every=0, checkpointer=None):
         checkpointer.attach(model, optimizer, scheduler, precision)
     data = EpochBatches(loader, accum, world=1)
     stop_rule = Stop(**stop)
-    reporter = LoopReporter(_args(tmp_path), 0, stop_rule.steps or stop_rule.epochs * data.steps_per_epoch, "step",
-                            stop_rule.epochs)
+    total = total or stop_rule.steps or stop_rule.epochs * data.steps_per_epoch
+    reporter = LoopReporter(_args(tmp_path, log_interval), 0, total, "step", stop_rule.epochs)
     validator = Validator(evaluate, every=every, at_start=True, each_epoch=True)
-    step = TrainStep(model, optimizer, scheduler, precision, forward, 0.0)
+    step = TrainStep(model, optimizer, scheduler, precision, forward, clip)
     loop = TorchLoop(model, step, data, stop_rule, validator, reporter, checkpointer)
     return loop.train(Progress()), seen, evaluations, validator, reporter
 
@@ -67,6 +67,20 @@ def test_epochs_are_a_stop_rule_and_each_epoch_is_evaluated_once(tmp_path):
     assert evaluations == [("start", 1, 0), ("step", 1, 2), ("step", 2, 4), ("step", 3, 6)]
     assert validator.last == {"step": 6}
     assert [r["iteration"] for r in reporter.history] == [1, 2, 3, 4, 5, 6]
+
+
+def test_each_step_keeps_its_own_loss_and_gradient_norm_when_read_at_the_log_line(tmp_path):
+    """The reporter reads the steps' losses and gradient norms at its --log-interval lines (and at close(), for
+    steps after the last line: here the reporter expects 10 steps and the run stops at 7): every record holds its
+    own step's values, as when each step is read at once (--log-interval 1)."""
+    def history(log_interval):
+        *_, reporter = _loop(tmp_path, 8, 1, 1, dict(steps=7), log_interval=log_interval, clip=1.0, total=10)
+        reporter.close()
+        return [(r["iteration"], r["loss"], r["grad_norm"]) for r in reporter.history]
+
+    each = history(1)
+    assert [i for i, _, _ in each] == list(range(1, 8)) and len({n for _, _, n in each}) == 7  # distinct norms
+    assert history(4) == each
 
 
 def test_steps_stop_inside_an_epoch_whichever_rule_comes_first(tmp_path):

@@ -45,7 +45,8 @@ class LoopReporter:
         self.log = get_logger()
         self.history: List[Dict] = []
         self.describe_data = None  # a callable giving extra words and record entries (dynamic-shape's padding)
-        self._losses: List[float] = []
+        self._pending: List[tuple] = []  # (record, loss tensor, grad norm) of the steps since the last log line
+        self._logged: List[Dict] = []  # the records of the last line's steps
         self._samples = 0
         self._bar = None
         self._tick = time.perf_counter()
@@ -78,20 +79,20 @@ class LoopReporter:
 
     def train_step(self, progress, result, samples: int) -> None:
         """Record one optimizer step (`samples`: over all workers); a line every --log-interval steps and at the
-        last."""
+        last. The step's loss and gradient norm stay on the device until that line, which reads all of them in one
+        reduction (a step does not wait for the GPU to report)."""
         step = progress.step
-        record = {"iteration": step, "loss": mean_over_workers(result.loss), "lr": result.lr,
-                  "grad_norm": result.grad_norm if result.grad_norm is not None else float("nan"),
-                  "skipped": result.skipped}
+        record = {"iteration": step, "loss": None, "lr": result.lr, "grad_norm": None, "skipped": result.skipped}
         self.history.append(record)
-        self._losses.append(record["loss"])
+        self._pending.append((record, result.loss, result.grad_norm))
         self._samples += samples
         if self._bar is not None:
             self._bar.update(1)
         if step % self.args.log_interval and step != self.total:
             return
+        self._materialize()
         elapsed = time.perf_counter() - self._tick
-        loss = sum(self._losses) / len(self._losses)
+        loss = sum(r["loss"] for r in self._logged) / len(self._logged)
         extra = {"samples_per_s": self._samples / elapsed}
         if torch.cuda.is_available():
             extra["max_memory_bytes"] = torch.cuda.max_memory_allocated()
@@ -107,8 +108,33 @@ class LoopReporter:
             self._scalars("train", dict(record, loss=loss, **extra), step)
             if self.unit == "iteration":  # a fine-tuning run's --metrics-file holds its evaluations only
                 self._write(dict(record, loss=loss, **extra))
-        self._losses, self._samples = [], 0
+        self._samples = 0
         self.restart_clock()
+
+    def _materialize(self) -> None:
+        """Fill the pending records' loss (the mean over all workers: one collective) and gradient norm (one
+        transfer from the device for all); `_logged` keeps them for the line."""
+        self._logged = [record for record, _, _ in self._pending]
+        if not self._pending:
+            return
+        losses = torch.stack([loss.detach().float().reshape(()) for _, loss, _ in self._pending])
+        if dist.is_initialized():
+            dist.all_reduce(losses)
+            losses /= dist.get_world_size()
+        norms = [n for _, _, n in self._pending]
+        tensors = [i for i, n in enumerate(norms) if torch.is_tensor(n)]
+        if tensors:  # one transfer for the losses and the tensor norms
+            values = torch.cat([losses, torch.stack([norms[i].detach().float().reshape(()).to(losses.device)
+                                                     for i in tensors])]).tolist()
+            losses, read = values[:len(norms)], values[len(norms):]
+            for i, v in zip(tensors, read):
+                norms[i] = v
+        else:
+            losses = losses.tolist()
+        for (record, _, _), loss, norm in zip(self._pending, losses, norms):
+            record["loss"] = loss
+            record["grad_norm"] = float(norm) if norm is not None else float("nan")
+        self._pending = []
 
     def evaluation(self, epoch: int, step: int, split: str, metrics: Dict, in_epoch: bool = False) -> None:
         """One line (and a JSON line, TensorBoard scalars) per evaluation of a fine-tuning run; `in_epoch`: one of
@@ -143,5 +169,6 @@ class LoopReporter:
                 f.write(json.dumps(record) + "\n")
 
     def close(self) -> None:
+        self._materialize()  # steps after the last line (a stop rule ended the run between two) get their values
         if self.writer:
             self.writer.close()

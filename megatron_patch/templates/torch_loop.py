@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -37,7 +37,7 @@ class Progress:
 class StepResult:
     loss: torch.Tensor  # this worker's loss of the step: the micro batches' losses, weighted
     lr: float  # the learning rate the step used
-    grad_norm: Optional[float]
+    grad_norm: Union[torch.Tensor, float, None]  # a device tensor until the reporter reads it
     skipped: bool  # fp16: inf/nan gradients, the step was skipped and the loss scale lowered
 
 
@@ -109,7 +109,7 @@ class TrainStep:
         lr = self.optimizer.param_groups[0]["lr"]
         if not skipped:
             self.scheduler.step()
-        return StepResult(total, lr, float(grad_norm) if grad_norm is not None else None, bool(skipped))
+        return StepResult(total, lr, grad_norm, bool(skipped))  # read on the reporter's next line, not here
 
 
 class EpochBatches:
