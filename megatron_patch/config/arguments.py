@@ -7,7 +7,6 @@ from typing import Callable, Dict, List, Optional
 from .config import Config, ConfigError
 from . import flag_parser, model_source
 from .flag_parser import EntryParser
-from .flags import moe_layer_freq  # noqa: F401  (re-exported: the --moe-layer-freq parser)
 from .presets import preset
 
 

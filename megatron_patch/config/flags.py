@@ -10,7 +10,7 @@ Defaults are declared once. A flag the engine takes gets its default from the en
 (`getattr(Config(), dest)`); a flag only `rapidformer` takes holds its default here. Where `rapidformer` means
 something else by a flag both take, the record's `front` says how, limited to: its default (None: "not given",
 so the Hugging Face model's config or the front end's rules decide), its dest, its choices, its nargs, its names
-and its help. `front_overrides()` lists them; each `Front` below says why.
+and its help; each `Front` below says why.
 """
 from __future__ import annotations
 
@@ -478,11 +478,6 @@ def for_entry(entry: str) -> Tuple[Flag, ...]:
 def front_to_engine() -> Dict[str, str]:
     """rapidformer dest -> Config field, for the flags rapidformer and the engine both take."""
     return {f.dest_for(RAPIDFORMER): f.dest for f in FLAGS if RAPIDFORMER in f.entries and f.entries & ENGINE}
-
-
-def front_overrides() -> Dict[str, Front]:
-    """Canonical name -> how rapidformer takes the flag differently (the few flags where it means something else)."""
-    return {f.names[0]: f.front for f in FLAGS if f.front is not None}
 
 
 def declarations() -> Dict[str, int]:
