@@ -14,7 +14,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.transformer.module import Float16Module
 
 from megatron_patch.config import Config, ConfigError
-from megatron_patch.parallel import print_rank_0
+from megatron_patch.parallel import current_device, print_rank_0
 
 from .bert import build_bert_model
 from .compile import apply_compile
@@ -136,8 +136,6 @@ def _wrap_megatron_fsdp(cfg: Config, tconfig, chunk):
         megatron_fsdp_main_grads_dtype=torch.float32,
         gradient_reduce_div_fusion=torch.cuda.is_available(),  # gloo has no PREMUL_SUM
     )
-    return FullyShardedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk, device=_device())
+    return FullyShardedDataParallel(config=tconfig, ddp_config=ddp_config, module=chunk, device=current_device())
 
 
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")

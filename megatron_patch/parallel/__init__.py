@@ -2,9 +2,9 @@
 environment. (The CPU backend that lets megatron-core run without a GPU lives in megatron_patch.compat.)
 `start_process_group` is the set-up every run shares; megatron-core is imported only once a run needs it (`mpu`,
 `initialize`), so the torch loop's Hugging Face runs never import it."""
-from .initialize import destroy, initialize, is_last_rank, print_rank_0, start_process_group
+from .initialize import current_device, destroy, initialize, is_last_rank, print_rank_0, start_process_group
 
-__all__ = ["mpu", "initialize", "destroy", "print_rank_0", "is_last_rank", "start_process_group"]
+__all__ = ["mpu", "current_device", "initialize", "destroy", "print_rank_0", "is_last_rank", "start_process_group"]
 
 
 def __getattr__(name: str):

@@ -8,9 +8,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as _ps
 
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+from .initialize import current_device
 
 
 def _tp_group():
@@ -35,7 +33,7 @@ def broadcast_data(keys: List[str], data: Optional[Dict[str, torch.Tensor]], dat
     the tensor-parallel group: tensor-parallel rank 0 holds `data` (a dict of tensors or arrays), the other
     ranks pass None and receive it (shapes first, then one flat buffer)."""
     group = _tp_group()
-    device = _device()
+    device = current_device()
     if group is None:
         if data is None:
             raise ValueError("broadcast_data: `data` is None on a rank that reads the data (tensor-parallel rank 0, "

@@ -19,6 +19,11 @@ from megatron_patch.config import Config
 from megatron_patch.ports import free_port
 
 
+def current_device() -> torch.device:
+    """The device this worker computes on: its CUDA device (set by start_process_group), else the CPU."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
@@ -36,9 +41,7 @@ def start_process_group(world_of_one: bool = True, bind_device: bool = False) ->
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
-        device = torch.device("cuda", torch.cuda.current_device())
-    else:
-        device = torch.device("cpu")
+    device = current_device()
     if (world > 1 or world_of_one) and not dist.is_initialized():
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=int(os.environ["RANK"]),
                                 world_size=world, timeout=datetime.timedelta(minutes=30),

@@ -21,7 +21,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_patch.config import Config
 from megatron_patch.models import build
 from megatron_patch.models.build import WeightLoader, model_vocab_size, wrap_model
-from megatron_patch.parallel import initialize, print_rank_0
+from megatron_patch.parallel import current_device, initialize, print_rank_0
 
 from .checkpoint import Checkpointer, TrainState
 from .data import build_datasets, build_iterator, tokenizer_from_config
@@ -31,7 +31,7 @@ from .moe_metrics import MoEMetrics
 from .optimizer import build_optimizer, build_scheduler
 from .profiling import Profiler
 from .reporting import Reporter
-from .step import CountingIterator, count_parameters, current_device, forward_step, materialize, mean_losses, stage_flags
+from .step import CountingIterator, count_parameters, forward_step, materialize, mean_losses, stage_flags
 from .step_clock import StepClock
 
 

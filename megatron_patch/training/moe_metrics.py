@@ -19,6 +19,7 @@ from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.router import Router
 
 from megatron_patch.config import Config
+from megatron_patch.parallel import current_device
 
 
 def _tracked_names(cfg: Config) -> List[str]:
@@ -38,8 +39,7 @@ class MoEMetrics:
     def __init__(self, cfg: Config, model) -> None:
         self.cfg = cfg
         # On the device the routers run on: the counts add up there without a host sync, and NCCL reduces them.
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-        self.counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device=current_device())
         for chunk in model:
             for module in chunk.modules():
                 if isinstance(module, Router):

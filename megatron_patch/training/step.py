@@ -9,9 +9,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state as mpu
 
-
-def current_device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+from megatron_patch.parallel import current_device
 
 
 def stage_flags(chunk: torch.nn.Module) -> tuple:
