@@ -45,13 +45,11 @@ class RapidformerEngine:
         `lr_scheduler_fn(optimizer)` builds the scheduler (e.g. a `partial` of transformers'
         get_linear_schedule_with_warmup); without it, --lr-decay-style over --train-iters. Mixed precision
         needs the loop's help: see the log line, and use `engine.precision.autocast()`/`.backward(loss)`/`.step()`."""
-        from megatron_patch.accelerations import accelerate
+        from .torch_loop import accelerate_for_loop
 
-        acc = accelerate(model_obj.to(self.device), self.args, self.device, optimizer)
-        self.precision = acc.precision
         log = get_logger()
-        for line in acc.applied:
-            log.info(f"acceleration: {line}")
+        acc, _ = accelerate_for_loop(model_obj, optimizer, None, self.args, self.device, log)
+        self.precision = acc.precision
         if self.args.mixed_precision or self.args.bf16:
             log.info("compose(): mixed precision needs your loop's help: run the forward pass inside "
                      "`with engine.precision.autocast():`, call `engine.precision.backward(loss)` instead of "
