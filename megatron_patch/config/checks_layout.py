@@ -87,10 +87,6 @@ def virtual_pipeline(c: Config) -> Optional[str]:
 
 
 # ---- mixture of experts
-def _etp(c: Config) -> int:
-    return c.expert_tensor_parallel_size or c.tensor_model_parallel_size
-
-
 @rule("moe")
 def expert_flags_need_experts(c: Config) -> Optional[str]:
     if c.num_experts:
@@ -109,7 +105,7 @@ def expert_flags_need_experts(c: Config) -> Optional[str]:
 def expert_layout(c: Config) -> Optional[str]:
     if not c.num_experts:
         return None
-    ep, etp, pp, n = c.expert_model_parallel_size, _etp(c), c.pipeline_model_parallel_size, c.num_experts
+    ep, etp, pp, n = c.expert_model_parallel_size, c.expert_tp_size, c.pipeline_model_parallel_size, c.num_experts
     if ep < 1 or etp < 1:
         return "--expert-model-parallel-size and --expert-tensor-parallel-size must be at least 1"
     if n % ep:
@@ -125,7 +121,7 @@ def expert_layout(c: Config) -> Optional[str]:
 def grouped_gemm(c: Config) -> Optional[str]:
     if not (c.num_experts and c.moe_grouped_gemm):
         return None
-    etp = _etp(c)
+    etp = c.expert_tp_size
     if etp > 1:
         return (f"--moe-grouped-gemm runs each expert whole on its rank; the expert tensor-parallel size is {etp} "
                 f"(--expert-tensor-parallel-size, default --tensor-model-parallel-size): pass "
@@ -136,7 +132,7 @@ def grouped_gemm(c: Config) -> Optional[str]:
     if c.zero_2_memory_optimization:
         return ("--moe-grouped-gemm reads the experts' weights directly, which Megatron-FSDP (ZeRO-2) shards per "
                 "module: use --zero-1-memory-optimization or no ZeRO with it")
-    ffn = c.moe_ffn_hidden_size or c.ffn_hidden_size or 4 * c.hidden_size
+    ffn = c.expert_ffn_size
     if c.hidden_size % 8 or ffn % 8:
         return (f"--moe-grouped-gemm: torch._grouped_mm needs rows of whole 16-byte units, so --hidden-size "
                 f"({c.hidden_size}) and the experts' hidden size ({ffn}, --moe-ffn-hidden-size) must be multiples of 8")
@@ -146,7 +142,7 @@ def grouped_gemm(c: Config) -> Optional[str]:
 def expert_width_over_etp(c: Config) -> Optional[str]:
     if not c.num_experts:
         return None
-    ffn, etp = c.moe_ffn_hidden_size or c.ffn_hidden_size or 4 * c.hidden_size, _etp(c)
+    ffn, etp = c.expert_ffn_size, c.expert_tp_size
     if ffn % etp:
         return (f"the experts' hidden size {ffn} (--moe-ffn-hidden-size) is not divisible by "
                 f"--expert-tensor-parallel-size {etp}")
@@ -191,7 +187,7 @@ def shared_expert(c: Config) -> Optional[str]:
 
 @rule("moe")
 def expert_biases_need_whole_experts(c: Config) -> Optional[str]:
-    etp = _etp(c)
+    etp = c.expert_tp_size
     if c.num_experts and not c.disable_bias_linear and etp > 1:
         return (f"--num-experts with linear biases (on unless --disable-bias-linear) needs whole experts on each rank: "
                 f"megatron-core supports expert biases only at --expert-tensor-parallel-size 1 (it is {etp}, default "

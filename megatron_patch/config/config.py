@@ -339,6 +339,16 @@ class Config:
         return self.num_layers // (self.pipeline_model_parallel_size * self.num_layers_per_virtual_pipeline_stage)
 
     @property
+    def expert_tp_size(self) -> int:
+        """The experts' tensor-parallel size: --expert-tensor-parallel-size, else the dense layers' TP."""
+        return self.expert_tensor_parallel_size or self.tensor_model_parallel_size
+
+    @property
+    def expert_ffn_size(self) -> int:
+        """The experts' hidden size: --moe-ffn-hidden-size, else --ffn-hidden-size, else 4 x --hidden-size."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size or 4 * self.hidden_size
+
+    @property
     def decay_iters(self) -> int:
         """Iterations of learning-rate decay: --lr-decay-iters, else --train-iters."""
         return self.lr_decay_iters or self.train_iters

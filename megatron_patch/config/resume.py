@@ -37,7 +37,7 @@ def layout(cfg: Config) -> Dict[str, int]:
            "dp": cfg.data_parallel_size, "vpp": cfg.virtual_pipeline_model_parallel_size or 1, "zero": cfg.zero_stage}
     if cfg.num_experts:  # expert layout (absent: a dense model, or EP 1 / ETP TP)
         out.update(ep=cfg.expert_model_parallel_size,
-                   etp=cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size)
+                   etp=cfg.expert_tp_size)
     return out
 
 

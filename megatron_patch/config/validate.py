@@ -58,7 +58,7 @@ def resolve(c: Config, world_size: int) -> Config:
     tp, pp = max(c.tensor_model_parallel_size, 1), max(c.pipeline_model_parallel_size, 1)
     dp = world_size // (tp * pp)
     if c.num_experts:
-        etp = c.expert_tensor_parallel_size or c.tensor_model_parallel_size
+        etp = c.expert_tp_size
         edp = world_size // max(etp * c.expert_model_parallel_size * pp, 1)
     else:
         edp = dp

@@ -104,7 +104,7 @@ def moe_config(cfg: Config) -> dict:
         return {}
     return dict(
         num_moe_experts=cfg.num_experts,
-        moe_ffn_hidden_size=cfg.moe_ffn_hidden_size or cfg.ffn_hidden_size or 4 * cfg.hidden_size,
+        moe_ffn_hidden_size=cfg.expert_ffn_size,
         moe_layer_freq=cfg.moe_layer_freq,
         moe_router_topk=cfg.moe_router_topk,
         moe_router_pre_softmax=cfg.moe_router_pre_softmax,
@@ -119,7 +119,7 @@ def moe_config(cfg: Config) -> dict:
         moe_token_drop_policy=cfg.moe_token_drop_policy,
         moe_per_layer_logging=cfg.moe_per_layer_logging,
         expert_model_parallel_size=cfg.expert_model_parallel_size,
-        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size,
+        expert_tensor_parallel_size=cfg.expert_tp_size,
         # Transformer Engine's fused permute/unpermute, router top-k and aux-loss kernels (CUDA only), and its
         # grouped GEMM: off; the local spec runs the experts as a SequentialMLP of Column/RowParallelLinear.
         moe_grouped_gemm=False,

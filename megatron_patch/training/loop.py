@@ -215,7 +215,7 @@ class Trainer:
                   f"{', gated' if cfg.moe_shared_expert_gate else ''})" if cfg.moe_shared_expert_intermediate_size else "")
         return (f" | MoE {cfg.num_experts} experts top-{cfg.moe_router_topk}{shared} {where}, "
                 f"{cfg.moe_token_dispatcher_type} dispatcher, EP {cfg.expert_model_parallel_size} ETP "
-                f"{cfg.expert_tensor_parallel_size or cfg.tensor_model_parallel_size} expert-DP {cfg.expert_data_parallel_size}")
+                f"{cfg.expert_tp_size} expert-DP {cfg.expert_data_parallel_size}")
 
     def train(self) -> List[Dict[str, float]]:
         cfg, state = self.cfg, self.state
