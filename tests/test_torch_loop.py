@@ -12,7 +12,7 @@ import torch
 from megatron_patch.accelerations.precision import Precision
 from megatron_patch.templates.reporting import LoopReporter
 from megatron_patch.templates.torch_loop import (
-    EpochBatches, Progress, Stop, TorchLoop, TrainStep, Validator,
+    EpochBatches, TrainState, Stop, TorchLoop, TrainStep, Validator,
 )
 
 
@@ -41,8 +41,8 @@ def _loop(tmp_path, n_rows, micro, accum, stop, every=0, checkpointer=None, log_
         return model(batch).square().mean()
 
     def evaluate(progress, when):
-        evaluations.append((when, progress.epoch, progress.step))
-        return {"step": progress.step}
+        evaluations.append((when, progress.epoch, progress.iteration))
+        return {"step": progress.iteration}
 
     precision = Precision(None, torch.device("cpu"))
     if checkpointer is not None:
@@ -54,7 +54,7 @@ def _loop(tmp_path, n_rows, micro, accum, stop, every=0, checkpointer=None, log_
     validator = Validator(evaluate, every=every, at_start=True, each_epoch=True)
     step = TrainStep(model, optimizer, scheduler, precision, forward, clip)
     loop = TorchLoop(model, step, data, stop_rule, validator, reporter, checkpointer)
-    return loop.train(Progress()), seen, evaluations, validator, reporter
+    return loop.train(TrainState()), seen, evaluations, validator, reporter
 
 
 def test_epochs_are_a_stop_rule_and_each_epoch_is_evaluated_once(tmp_path):
@@ -62,7 +62,7 @@ def test_epochs_are_a_stop_rule_and_each_epoch_is_evaluated_once(tmp_path):
     not a step). 3 epochs: 6 steps, an evaluation before training and after each epoch, --eval-interval 2 evaluates
     at steps 2, 4 and 6, which end epochs, so never twice at one step."""
     progress, seen, evaluations, validator, reporter = _loop(tmp_path, 10, 2, 2, dict(epochs=3), every=2)
-    assert (progress.step, progress.epoch) == (6, 3)
+    assert (progress.iteration, progress.epoch) == (6, 3)
     assert seen == [[0, 1], [2, 3], [4, 5], [6, 7]] * 3
     assert evaluations == [("start", 1, 0), ("step", 1, 2), ("step", 2, 4), ("step", 3, 6)]
     assert validator.last == {"step": 6}
@@ -87,10 +87,10 @@ def test_steps_stop_inside_an_epoch_whichever_rule_comes_first(tmp_path):
     """3 steps of 2-step epochs (the steps rule first: the second epoch ends early, then is evaluated); 5 epochs
     capped by 3 steps; and 1 epoch before 10 steps (the epochs rule first)."""
     progress, seen, evaluations, _, _ = _loop(tmp_path, 10, 2, 2, dict(steps=3, epochs=5))
-    assert (progress.step, progress.epoch) == (3, 2) and len(seen) == 6
+    assert (progress.iteration, progress.epoch) == (3, 2) and len(seen) == 6
     assert evaluations == [("start", 1, 0), ("epoch", 1, 2), ("epoch", 2, 3)]
     progress, seen, evaluations, _, _ = _loop(tmp_path, 8, 2, 1, dict(steps=10, epochs=1))
-    assert (progress.step, progress.epoch) == (4, 1) and evaluations[-1] == ("epoch", 1, 4)
+    assert (progress.iteration, progress.epoch) == (4, 1) and evaluations[-1] == ("epoch", 1, 4)
 
 
 def test_checkpointer_saves_every_interval_and_at_the_end_once(tmp_path):
@@ -102,7 +102,7 @@ def test_checkpointer_saves_every_interval_and_at_the_end_once(tmp_path):
     save = str(tmp_path / "ck")
     checkpointer = TorchCheckpointer(save, 3, log=lambda line: None)
     progress, *_ = _loop(tmp_path, 14, 1, 1, dict(steps=7), checkpointer=checkpointer)
-    assert progress.step == 7 and checkpointer.last_saved == 7
+    assert progress.iteration == 7 and checkpointer.last_saved == 7
     assert iterations_on_disk(save) == [3, 6, 7] and read_tracker(save) == 7
     trained = checkpointer.parts[0].weight.detach().clone()
 
@@ -113,14 +113,14 @@ def test_checkpointer_saves_every_interval_and_at_the_end_once(tmp_path):
     state = again.load(save, 7)
     assert (state["iteration"], state["consumed_samples"]) == (7, 7)
     assert torch.equal(model.weight, trained) and scheduler.last_epoch == 7
-    assert again.save(Progress(step=7), stopping=True) is None  # nothing trained since the checkpoint
+    assert again.save(TrainState(iteration=7), stopping=True) is None  # nothing trained since the checkpoint
     assert not os.path.exists(other)
-    assert again.save(Progress(step=8), stopping=True) == os.path.join(other, "iter_0000008")
+    assert again.save(TrainState(iteration=8), stopping=True) == os.path.join(other, "iter_0000008")
 
 
 @pytest.mark.parametrize("rule,progress,epoch_over,done", [
-    (Stop(steps=4), Progress(step=3), False, False), (Stop(steps=4), Progress(step=4), False, True),
-    (Stop(epochs=2), Progress(step=9, epoch=2), False, False), (Stop(epochs=2), Progress(step=9, epoch=2), True, True),
-    (Stop(epochs=2), Progress(step=9, epoch=1), True, False)])
+    (Stop(steps=4), TrainState(iteration=3), False, False), (Stop(steps=4), TrainState(iteration=4), False, True),
+    (Stop(epochs=2), TrainState(iteration=9, epoch=2), False, False), (Stop(epochs=2), TrainState(iteration=9, epoch=2), True, True),
+    (Stop(epochs=2), TrainState(iteration=9, epoch=1), True, False)])
 def test_stop_rules(rule, progress, epoch_over, done):
     assert rule.done(progress, epoch_over) is done

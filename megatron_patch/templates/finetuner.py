@@ -24,7 +24,8 @@ from .reporting import LoopReporter
 from .saving import save_pretrained
 from .schedule import build_scheduler
 from .shape_flags import check_shape_flags
-from .torch_loop import EpochBatches, Progress, Stop, TorchLoop, TrainStep, Validator, accelerate_for_loop
+from .torch_loop import (EpochBatches, Stop, TorchLoop, TrainState, TrainStep, Validator, accelerate_for_loop,
+                         evaluating)
 
 
 class Finetuner:
@@ -84,17 +85,10 @@ class Finetuner:
         return accelerate_for_loop(model, optimizer, scheduler, self.args, self.device, get_logger())
 
     def evaluate(self, loader, model: torch.nn.Module) -> Dict[str, float]:
-        import contextlib
+        from megatron_patch.accelerations import uses_cuda_graphs
 
-        from megatron_patch.accelerations import eager_evaluation, uses_cuda_graphs
-
-        model.eval()
-        eager = eager_evaluation() if uses_cuda_graphs(self.args) else contextlib.nullcontext()
-        try:
-            with eager, torch.no_grad(), self.precision.autocast():
-                return self.run_compute_metrics([model], loader)
-        finally:
-            model.train()
+        with evaluating(model, self.precision, uses_cuda_graphs(self.args)):
+            return self.run_compute_metrics([model], loader)
 
     def train(self) -> Dict[str, float]:
         """Fine-tune: epochs of --micro-batch-size batches per worker (or --train-iters optimizer steps, with
@@ -129,9 +123,9 @@ class Finetuner:
                  f"{self.engine.world_size} worker(s) x {args.grad_accumulation} accumulation)")
         reporter = LoopReporter(args, self.engine.rank, total, "step", epochs)
 
-        def evaluate(progress: Progress, when: str) -> Dict[str, float]:
+        def evaluate(progress: TrainState, when: str) -> Dict[str, float]:
             metrics = self.evaluate(valid_loader, model)
-            epoch, step = (0, 0) if when == "start" else (progress.epoch, progress.step)
+            epoch, step = (0, 0) if when == "start" else (progress.epoch, progress.iteration)
             reporter.evaluation(epoch, step, "validation", metrics, in_epoch=when == "step")
             return metrics
 
@@ -142,8 +136,8 @@ class Finetuner:
                          mark_step if uses_cuda_graphs(args) else None)
         # epochs are a stop rule; --train-iters (when given) another, whichever comes first
         loop = TorchLoop(model, step, data, Stop(steps=args.train_iters, epochs=epochs), validator, reporter)
-        progress = loop.train(Progress())
-        self.after_training(model, test_ds, collate_fn, reporter, progress.epoch, progress.step)
+        progress = loop.train(TrainState())
+        self.after_training(model, test_ds, collate_fn, reporter, progress.epoch, progress.iteration)
         reporter.close()
         if args.save:
             save_pretrained(model, args.save, self.tokenizer)

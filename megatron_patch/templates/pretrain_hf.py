@@ -11,14 +11,14 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-import torch
 
 from megatron_patch.config.checkpoint_layout import TRACKER, CheckpointError
 from megatron_patch.data.dynamic_shape import StepBuckets
 
 from .globals import get_logger
 from .reporting import LoopReporter, mean_over_workers
-from .torch_loop import IteratorBatches, Progress, Stop, TorchLoop, TrainStep, Validator, accelerate_for_loop
+from .torch_loop import (IteratorBatches, Stop, TorchLoop, TrainState, TrainStep, Validator, accelerate_for_loop,
+                         evaluating)
 
 
 # ---- the run: the torch loop's parts for a pretraining run ----------------------------------------------------
@@ -52,11 +52,11 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
         scheduler = scheduler_for(plan.schedule, optimizer)
     checkpointer = TorchCheckpointer(args.save, args.save_interval, plan.manifest_entries(cfg), log.info)
     checkpointer.attach(model, optimizer, scheduler, precision)
-    progress = Progress()
+    progress = TrainState()
     if resume is not None:
         built = resume_hf.group_settings(optimizer)  # this run's peak lr and weight decay, before loading
         state = checkpointer.load(args.load, resume)
-        progress = Progress(state["iteration"], 1, state["consumed_samples"], state["consumed_valid_samples"])
+        progress = TrainState(state["iteration"], state["consumed_samples"], state["consumed_valid_samples"])
         if plan.schedule is not None:
             if plan.from_checkpoint:
                 peaks, decays = scheduler.base_lrs, state["weight_decay"] or [None] * len(built)
@@ -64,7 +64,7 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
                 peaks, decays = [p for p, _ in built], [d for _, d in built]
             resume_hf.continue_schedule(scheduler, optimizer, peaks, decays)
         notes = state["notes"] + ([plan.note] if plan.note else [])
-        log.info(f"resumed from {args.load} at iteration {progress.step} ({progress.consumed_samples} training and "
+        log.info(f"resumed from {args.load} at iteration {progress.iteration} ({progress.consumed_samples} training and "
                  f"{progress.consumed_valid_samples} validation samples read)" + "".join(f"; {n}" for n in notes))
     world = pretrainer.engine.world_size
     accum = cfg.num_microbatches
@@ -89,16 +89,15 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
                                                dict(real_tokens=train_iter.real, computed_tokens=train_iter.computed,
                                                     fixed_tokens=train_iter.fixed))
 
-    def evaluate(progress: Progress, when: str) -> Dict:
-        model.eval()
-        total, batches = 0.0, cfg.eval_iters * cfg.num_microbatches
-        with torch.no_grad(), precision.autocast():
-            for _ in range(batches):
-                total += mean_over_workers(pretrainer.run_forward_step(valid_iter, model))
-        model.train()
-        reporter.validation_loss(progress.step, total / batches, cfg.eval_iters)
+    def evaluate(progress: TrainState, when: str) -> Dict:
+        batches = cfg.eval_iters * cfg.num_microbatches
+        with evaluating(model, precision, uses_cuda_graphs(args)):
+            # summed on the device and reduced over workers once (a batch does not wait for the GPU)
+            total = sum(pretrainer.run_forward_step(valid_iter, model).detach().float() for _ in range(batches))
+        loss = mean_over_workers(total) / batches
+        reporter.validation_loss(progress.iteration, loss, cfg.eval_iters)
         progress.consumed_valid_samples += cfg.eval_iters * cfg.global_batch_size  # what it read over all workers
-        return {"loss": total / batches}
+        return {"loss": loss}
 
     validator = Validator(evaluate, every=cfg.eval_interval if valid_iter is not None else 0)
     step = TrainStep(model, optimizer, scheduler, precision, pretrainer.run_forward_step, cfg.clip_grad,

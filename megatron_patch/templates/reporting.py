@@ -8,15 +8,14 @@ loss ...`, a JSON line per logged iteration, `validation at iteration 30 | loss 
 from __future__ import annotations
 
 import contextlib
-import json
 import math
-import os
-import sys
 import time
 from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
+
+from megatron_patch.training.reporting import RunOutputs, progress_bar
 
 from .globals import get_logger
 
@@ -50,28 +49,19 @@ class LoopReporter:
         self._samples = 0
         self._bar = None
         self._tick = time.perf_counter()
-        self.writer = None
-        if rank == 0 and args.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(args.tensorboard_dir)
-        if rank == 0 and args.metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
+        self.outputs = RunOutputs(args.tensorboard_dir, args.metrics_file, rank == 0, rank == 0)
 
     @contextlib.contextmanager
     def epoch(self, progress, steps: Optional[int]):
         """A progress bar over the epoch's steps on a terminal; a log file gets the --log-interval lines only."""
-        from tqdm import tqdm
-
-        left = self.total - progress.step
+        left = self.total - progress.iteration
         desc = f"epoch {progress.epoch}/{self.epochs}" if self.epochs else "training"
-        self._bar = tqdm(total=min(steps, left) if steps else left, desc=desc, unit=self.unit, file=sys.stderr,
-                         disable=self.rank != 0 or not sys.stderr.isatty(), dynamic_ncols=True, mininterval=1.0,
-                         leave=False)
+        self._bar = progress_bar(min(steps, left) if steps else left, desc, self.unit, show=self.rank == 0)
         try:
             yield self._bar
         finally:
-            self._bar.close()
+            if self._bar is not None:
+                self._bar.close()
             self._bar = None
 
     def restart_clock(self) -> None:
@@ -81,7 +71,7 @@ class LoopReporter:
         """Record one optimizer step (`samples`: over all workers); a line every --log-interval steps and at the
         last. The step's loss and gradient norm stay on the device until that line, which reads all of them in one
         reduction (a step does not wait for the GPU to report)."""
-        step = progress.step
+        step = progress.iteration
         record = {"iteration": step, "loss": None, "lr": result.lr, "grad_norm": None, "skipped": result.skipped}
         self.history.append(record)
         self._pending.append((record, result.loss, result.grad_norm))
@@ -158,17 +148,13 @@ class LoopReporter:
         self._write(record)
 
     def _scalars(self, split: str, values: Dict, step: int) -> None:
-        if self.writer:
-            for k, v in values.items():
-                if k not in ("iteration", "step", "epoch") and isinstance(v, float) and math.isfinite(v):
-                    self.writer.add_scalar(f"{split}/{k}", v, step)
+        for k, v in values.items():
+            if k not in ("iteration", "step", "epoch") and isinstance(v, float) and math.isfinite(v):
+                self.outputs.scalar(f"{split}/{k}", v, step)
 
     def _write(self, record: Dict) -> None:
-        if self.args.metrics_file:
-            with open(self.args.metrics_file, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        self.outputs.record(record)
 
     def close(self) -> None:
         self._materialize()  # steps after the last line (a stop rule ended the run between two) get their values
-        if self.writer:
-            self.writer.close()
+        self.outputs.close()

@@ -10,27 +10,27 @@ Hugging Face model (iterations) both run `TorchLoop.train()`; Megatron models ru
 - a data source, which yields each step's micro batches: `EpochBatches` walks a DataLoader epoch by epoch (a new
   order each epoch); `IteratorBatches` draws from an endless iterator (Megatron's pretraining order) in one epoch.
 - `Stop`: the stop rules, a number of optimizer steps and/or of epochs.
-- `Validator`: when to evaluate (before training, every N steps, after every epoch; never twice at one step).
-- a checkpointer (`training.checkpoint.torch_dcp.TorchCheckpointer`) whose `save(progress, stopping)` decides when.
-- `LoopReporter` (templates/reporting.py): log lines, TensorBoard scalars, --metrics-file.
+- the engine's components: `TrainState` (where training stands; `epoch` counts a fine-tuning run's epochs), the
+  `Validator` (training/evaluation.py: before training, every N steps, after every epoch; never twice at one step)
+  and the checkpointer (`training.checkpoint.torch_dcp.TorchCheckpointer`, a `SaveSchedule` like the engine's
+  Checkpointer) whose `save(state, stopping)` decides when.
+- `LoopReporter` (templates/reporting.py, on the engine's `RunOutputs`): log lines, TensorBoard scalars,
+  --metrics-file.
 """
 from __future__ import annotations
 
 import contextlib
 import itertools
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Iterable, Iterator, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from megatron_patch.training.checkpoint.state import TrainState
+from megatron_patch.training.evaluation import Validator
 
-@dataclass
-class Progress:
-    """Where training stands: what the checkpointer saves and the stop rules read."""
-    step: int = 0  # optimizer steps done
-    epoch: int = 1  # the epoch under way (from 1)
-    consumed_samples: int = 0  # training samples, over all workers
-    consumed_valid_samples: int = 0  # validation samples, so evaluation walks on through its set
+__all__ = ["TrainState", "Validator", "TrainStep", "EpochBatches", "IteratorBatches", "Stop", "TorchLoop",
+           "accelerate_for_loop", "no_sync", "evaluating"]
 
 
 @dataclass
@@ -81,6 +81,22 @@ def accelerate_for_loop(model: torch.nn.Module, optimizer, scheduler, args, devi
     return acc, scheduler
 
 
+@contextlib.contextmanager
+def evaluating(model: torch.nn.Module, precision, cuda_graphs: bool):
+    """An evaluation pass of the torch loop's model: eval mode, no gradients, the precision's autocast, compiled
+    modules run eagerly under CUDA-graph modes (`accelerations.eager_evaluation`: a replayed graph would overwrite
+    outputs of earlier batches that the caller keeps), and train mode again afterwards."""
+    from megatron_patch.accelerations import eager_evaluation
+
+    model.eval()
+    eager = eager_evaluation() if cuda_graphs else contextlib.nullcontext()
+    try:
+        with eager, torch.no_grad(), precision.autocast():
+            yield model
+    finally:
+        model.train()
+
+
 class TrainStep:
     """One optimizer step over a step's micro batches. `forward(input, model)` is the user's hook (its input: a
     batch, or the iterator it draws from); `before_forward` runs before each (CUDA graphs' mark_step)."""
@@ -121,7 +137,7 @@ class EpochBatches:
         self.steps_per_epoch = max(1, len(loader) // accum)
         self.samples = 0  # this worker's samples of the step under way
 
-    def epoch(self, progress: Progress) -> Iterator[Tuple[Iterable, List[float]]]:
+    def epoch(self, progress: TrainState) -> Iterator[Tuple[Iterable, List[float]]]:
         if hasattr(self.loader.sampler, "set_epoch"):
             self.loader.sampler.set_epoch(progress.epoch)
         batches = iter(self.loader)
@@ -151,7 +167,7 @@ class IteratorBatches:
         self.iterator, self.accum, self.global_batch_size, self.dynamic = iterator, accum, global_batch_size, dynamic
         self.steps_per_epoch = None  # one epoch: the stop rule counts steps
 
-    def epoch(self, progress: Progress) -> Iterator[Tuple[Iterable, List[float]]]:
+    def epoch(self, progress: TrainState) -> Iterator[Tuple[Iterable, List[float]]]:
         while True:
             if self.dynamic:
                 count = self.iterator.next_step()
@@ -170,48 +186,10 @@ class Stop:
     steps: Optional[int] = None
     epochs: Optional[int] = None
 
-    def done(self, progress: Progress, epoch_over: bool = False) -> bool:
-        if self.steps is not None and progress.step >= self.steps:
+    def done(self, progress: TrainState, epoch_over: bool = False) -> bool:
+        if self.steps is not None and progress.iteration >= self.steps:
             return True
         return epoch_over and self.epochs is not None and progress.epoch >= self.epochs
-
-
-class Validator:
-    """When to evaluate: before training (`at_start`), every `every` optimizer steps, after every epoch
-    (`each_epoch`), never twice at one step. `evaluate(progress, when)` ("start", "step" or "epoch") runs one
-    evaluation and reports it; `last` holds the newest result of one during training."""
-
-    def __init__(self, evaluate: Callable[[Progress, str], Dict], every: int = 0, at_start: bool = False,
-                 each_epoch: bool = False) -> None:
-        self.evaluate, self.every, self.at_start, self.each_epoch = evaluate, every or 0, at_start, each_epoch
-        self.last: Dict = {}
-        self.evaluated = -1  # the step of the newest evaluation during training
-
-    def start(self, progress: Progress) -> bool:
-        if self.at_start:
-            self.evaluate(progress, "start")
-        return self.at_start
-
-    def after_step(self, progress: Progress) -> bool:
-        if self.every and progress.step % self.every == 0:
-            return self._run(progress, "step")
-        return False
-
-    def after_epoch(self, progress: Progress) -> bool:
-        if self.each_epoch and self.evaluated != progress.step:  # unless just evaluated
-            return self._run(progress, "epoch")
-        return False
-
-    def _run(self, progress: Progress, when: str) -> bool:
-        self.last, self.evaluated = self.evaluate(progress, when), progress.step
-        return True
-
-
-class NoCheckpoints:
-    """A run that writes no checkpoints (the Finetuner saves the trained model with save_pretrained instead)."""
-
-    def save(self, progress: Progress, stopping: bool = False) -> None:
-        return None
 
 
 class TorchLoop:
@@ -222,19 +200,19 @@ class TorchLoop:
                  checkpointer: Any = None) -> None:
         self.model, self.step, self.data, self.stop = model, step, data, stop
         self.validator, self.reporter = validator, reporter
-        self.checkpointer = checkpointer or NoCheckpoints()
+        self.checkpointer = checkpointer  # None: a run that writes no checkpoints (the Finetuner: save_pretrained)
 
-    def train(self, progress: Progress) -> Progress:
+    def train(self, progress: TrainState) -> TrainState:
         self.validator.start(progress)
         self.model.train()  # from_pretrained returns a model in eval mode: dropout off, and ORT would export inference
         while not self.stop.done(progress):
             with self.reporter.epoch(progress, self.data.steps_per_epoch):
                 for inputs, weights in self.data.epoch(progress):
                     result = self.step(inputs, weights)
-                    progress.step += 1
+                    progress.iteration += 1
                     progress.consumed_samples += self.data.step_samples()
                     self.reporter.train_step(progress, result, self.data.step_samples())
-                    if self.validator.after_step(progress) | bool(self.checkpointer.save(progress)):
+                    if self.validator.after_step(progress) | bool(self.checkpointer and self.checkpointer.save(progress)):
                         self.reporter.restart_clock()  # samples/s counts training only
                     if self.stop.done(progress):
                         break
@@ -242,5 +220,6 @@ class TorchLoop:
             if self.stop.done(progress, epoch_over=True):
                 break
             progress.epoch += 1
-        self.checkpointer.save(progress, stopping=True)
+        if self.checkpointer is not None:
+            self.checkpointer.save(progress, stopping=True)
         return progress

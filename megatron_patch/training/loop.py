@@ -25,7 +25,7 @@ from megatron_patch.parallel import current_device, initialize, print_rank_0
 
 from .checkpoint import Checkpointer, TrainState
 from .data import build_datasets, build_iterator, tokenizer_from_config
-from .evaluation import Validator
+from .evaluation import ValidationStream, Validator
 from .memory import model_state_bytes
 from .moe_metrics import MoEMetrics
 from .optimizer import build_optimizer, build_scheduler
@@ -70,7 +70,8 @@ class Trainer:
             tconfig.no_sync_func = self.model[0].no_sync  # reduce-scatter once per step, not per micro batch
         self.checkpointer = Checkpointer(cfg, self.model, self.optimizer, self.scheduler, model_info=self._model_info(vocab))
         self.state = (self.checkpointer.load() if cfg.load else None) or TrainState()
-        self.validator = Validator(cfg, self.valid_ds, partial(self._iterators, cycle=True), self.evaluate)
+        stream = ValidationStream(cfg, self.valid_ds, partial(self._iterators, cycle=True), self.evaluate)
+        self.validator = Validator(stream, every=stream.every)
         self.num_params = count_parameters(self.model)
         self.moe_metrics = MoEMetrics(cfg, self.model) if cfg.num_experts else None
         self.fwd_bwd = get_forward_backward_func()

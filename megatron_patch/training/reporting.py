@@ -1,11 +1,15 @@
 """What a run tells its user: one log line per --log-interval, TensorBoard scalars, one JSON line per
-record in --metrics-file, and a progress bar when stderr is a terminal."""
+record in --metrics-file, and a progress bar when stderr is a terminal.
+
+`RunOutputs` and `progress_bar` are the outputs both training loops write to: the engine's `Reporter` here and the
+torch loop's `LoopReporter` (templates/reporting.py), which differ only in what their lines say."""
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
-from typing import Dict, Optional
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -16,27 +20,60 @@ from megatron_patch.parallel import print_rank_0
 from .metrics import flops_per_token, peak_tflops
 
 
+class RunOutputs:
+    """TensorBoard scalars under `tensorboard_dir` (written where `scalars_here`: the rank that has the numbers)
+    and one JSON line per record in `metrics_file` (where `records_here`: rank 0); None turns either off."""
+
+    def __init__(self, tensorboard_dir: Optional[str], metrics_file: Optional[str], scalars_here: bool,
+                 records_here: bool) -> None:
+        self.writer = None
+        if tensorboard_dir and scalars_here:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(tensorboard_dir)
+        self.metrics_file = metrics_file if records_here else None
+        if self.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(self.metrics_file)), exist_ok=True)
+
+    def scalar(self, tag: str, value: float, step: int) -> None:
+        if self.writer:
+            self.writer.add_scalar(tag, value, step)
+
+    def record(self, record: Dict[str, Any]) -> None:
+        if self.metrics_file:
+            with open(self.metrics_file, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def close(self) -> None:
+        if self.writer:
+            self.writer.close()
+            self.writer = None
+
+
+def progress_bar(total: int, desc: str, unit: str, initial: int = 0, show: bool = True):
+    """A tqdm bar on stderr when `show` (rank 0) and stderr is a terminal, else None: a log file gets the
+    --log-interval lines only."""
+    if not show or not sys.stderr.isatty():
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, initial=initial, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True,
+                mininterval=1.0, leave=False)
+
+
 class Reporter:
     """Owns the run's outputs; `train()` hands it each iteration's metrics."""
 
     def __init__(self, cfg: Config, num_params: int, start_iteration: int) -> None:
         self.cfg, self.num_params = cfg, num_params
-        self.writer = None
-        if cfg.tensorboard_dir and dist.get_rank() == dist.get_world_size() - 1:
-            from torch.utils.tensorboard import SummaryWriter
-
-            self.writer = SummaryWriter(cfg.tensorboard_dir)
-        self.bar = None
-        if dist.get_rank() == 0 and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=cfg.train_iters, initial=start_iteration, desc="training", unit="it", leave=False)
+        rank = dist.get_rank()
+        # the last pipeline stage has the loss: its last rank writes the scalars
+        self.outputs = RunOutputs(cfg.tensorboard_dir, cfg.metrics_file, rank == dist.get_world_size() - 1, rank == 0)
+        self.bar = progress_bar(cfg.train_iters, "training", "it", start_iteration, show=rank == 0)
 
     def record(self, metrics: Dict[str, float]) -> None:
         """One JSON line in --metrics-file (rank 0)."""
-        if self.cfg.metrics_file and dist.get_rank() == 0:
-            with open(self.cfg.metrics_file, "a") as f:
-                f.write(json.dumps(metrics) + "\n")
+        self.outputs.record(metrics)
 
     def step(self, metrics: Dict[str, float]) -> None:
         self.record(metrics)
@@ -63,14 +100,13 @@ class Reporter:
         if metrics["skipped"]:
             line += " | step skipped (inf/nan grads, loss scale lowered)"
         print_rank_0(line)
-        if self.writer:
-            scalars = {**(parts or {"lm loss": metrics["loss"]}), "learning-rate": metrics["lr"],
-                       "grad-norm": metrics["grad_norm"], "loss-scale": metrics["loss_scale"], "tokens-per-sec": tps,
-                       "tflops-per-gpu": per_gpu}
-            for k, v in scalars.items():
-                self.writer.add_scalar(k, v, it)
-            for k, v in moe.items():
-                self.writer.add_scalar(k.replace("moe_", "moe/", 1), v, it)
+        scalars = {**(parts or {"lm loss": metrics["loss"]}), "learning-rate": metrics["lr"],
+                   "grad-norm": metrics["grad_norm"], "loss-scale": metrics["loss_scale"], "tokens-per-sec": tps,
+                   "tflops-per-gpu": per_gpu}
+        for k, v in scalars.items():
+            self.outputs.scalar(k, v, it)
+        for k, v in moe.items():
+            self.outputs.scalar(k.replace("moe_", "moe/", 1), v, it)
 
     def validation(self, iteration: int, loss: float, test_loss: Optional[float] = None,
                    components: Optional[Dict[str, float]] = None) -> None:
@@ -89,15 +125,13 @@ class Reporter:
             text += f" | test {'' if parts else 'lm '}loss {test_loss:.6f}"
         self.record(record)
         print_rank_0(text)
-        if self.writer:
-            for k, v in (parts or {"lm loss": loss}).items():
-                self.writer.add_scalar(f"validation {k}", v, iteration)
+        for k, v in (parts or {"lm loss": loss}).items():
+            self.outputs.scalar(f"validation {k}", v, iteration)
 
     def close(self) -> None:
         if self.bar:
             self.bar.close()
-        if self.writer:
-            self.writer.flush()
+        self.outputs.close()
 
 
 LOSS_COMPONENTS = ("lm_loss", "sop_loss")  # BERT: masked LM, next sentence (Megatron-LM calls it "sop loss")

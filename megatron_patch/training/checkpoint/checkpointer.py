@@ -1,9 +1,7 @@
 """`Checkpointer`: when to save, how to save and load, and which checkpoint to resume from."""
 from __future__ import annotations
 
-import dataclasses
 import pickle
-from dataclasses import dataclass
 from typing import Dict, List, Optional
 
 import torch
@@ -19,16 +17,9 @@ from megatron_patch.config.resume import check_schedule, layout, restores
 
 from . import fsdp_dtensor, torch_dist
 from .atomic import write_checkpoint
+from .state import SaveSchedule, TrainState
 
 BACKENDS = {torch_dist.FORMAT: torch_dist, fsdp_dtensor.FORMAT: fsdp_dtensor}
-
-
-@dataclass
-class TrainState:
-    """Where training stands: what a checkpoint records besides the model, optimizer and RNG."""
-    iteration: int = 0
-    consumed_samples: int = 0  # training samples, over all data-parallel ranks
-    consumed_valid_samples: int = 0  # validation samples, so evaluation walks on through the set
 
 
 def _versions() -> Dict[str, str]:
@@ -45,7 +36,7 @@ def _print0(msg: str) -> None:
         print(msg, flush=True)
 
 
-class Checkpointer:
+class Checkpointer(SaveSchedule):
     """Saves and loads the whole training state under --save / --load.
 
     `should_save(iteration)` says when (every --save-interval, and when training stops); `save(state)`
@@ -56,18 +47,12 @@ class Checkpointer:
     """
 
     def __init__(self, cfg: Config, model: List, optimizer, scheduler, model_info: Optional[Dict] = None) -> None:
+        super().__init__(cfg.save, cfg.save_interval)
         self.cfg, self.model, self.optimizer, self.scheduler = cfg, model, optimizer, scheduler
         self.model_info = model_info or {}
         apply_safe_loading()
         self.format = fsdp_dtensor.FORMAT if cfg.zero_2_memory_optimization else torch_dist.FORMAT
         self.backend = BACKENDS[self.format]
-        self.last_saved: Optional[int] = None
-
-    def should_save(self, iteration: int, stopping: bool = False) -> bool:
-        """True at every --save-interval, and when training stops (unless that iteration is saved already)."""
-        if not self.cfg.save or iteration == self.last_saved:
-            return False
-        return stopping or bool(self.cfg.save_interval and iteration % self.cfg.save_interval == 0)
 
     def save(self, state: TrainState, consume_model: bool = False, root: Optional[str] = None) -> str:
         """Write checkpoint `state.iteration` under --save; collective (every rank calls it).
@@ -79,7 +64,7 @@ class Checkpointer:
         final = write_checkpoint(
             root, state.iteration,
             lambda tmp: self.backend.save(tmp, self.model, self.optimizer, consume_model=consume_model),
-            lambda: {**dataclasses.asdict(state), "format": self.format, "layout": layout(self.cfg),
+            lambda: {**state.saved(), "format": self.format, "layout": layout(self.cfg),
                      "contents": ["model"] if model_only else ["model", "optimizer", "rng", "scheduler"],
                      "scheduler": None if model_only else self.scheduler.state_dict(),
                      "config": self.cfg.to_flat(), "model": self.model_info, "versions": _versions()},

@@ -41,6 +41,7 @@ from megatron_patch.config import checkpoint_layout as directory
 from megatron_patch.config.checkpoint_layout import CheckpointError, checkpoint_dir
 
 from .atomic import write_checkpoint
+from .state import SaveSchedule, TrainState
 
 FORMAT = HF_FORMAT
 LEGACY_TRACKER = "latest_iteration.txt"  # the tracker before this layout: rank files pickled numpy RNG state
@@ -203,17 +204,18 @@ def load_checkpoint(root: str, iteration: int, model, optimizer, scheduler, prec
     return dict(manifest, notes=notes, weight_decay=train_state.get("weight_decay"))
 
 
-class TorchCheckpointer:
+class TorchCheckpointer(SaveSchedule):
     """The torch loop's checkpoints under `save` (None: none are written), torchtitan-style: the loop calls
-    `save(progress)` after every step and `save(progress, stopping=True)` once it ends, and this decides: every
-    `interval` steps (0: only at the end), and when training stops unless that step is saved already or the run
-    trained no step. `attach()` hands it what it saves; `load()` resumes a checkpoint `find_checkpoint` chose.
-    `schedule`: the manifest's entries for the lr schedule in effect (see `save_checkpoint`)."""
+    `save(state)` after every step and `save(state, stopping=True)` once it ends, and `SaveSchedule.should_save`
+    (the engine Checkpointer's rule) decides: every `interval` steps (0: only at the end), and when training stops
+    unless that step is saved already or the run trained no step. `attach()` hands it what it saves; `load()`
+    resumes a checkpoint `find_checkpoint` chose. `schedule`: the manifest's entries for the lr schedule in effect
+    (see `save_checkpoint`)."""
 
     def __init__(self, save: Optional[str], interval: int, schedule: Optional[Dict] = None, log=print) -> None:
-        self.root, self.interval, self.schedule, self.log = save, interval or 0, schedule, log
+        super().__init__(save, interval)
+        self.schedule, self.log = schedule, log
         self.parts: Tuple = ()
-        self.last_saved: Optional[int] = None
         self.start = 0  # the step this run started from (a resumed run's checkpoint)
 
     def attach(self, model, optimizer, scheduler, precision) -> None:
@@ -225,16 +227,13 @@ class TorchCheckpointer:
         self.start, self.last_saved = iteration, (iteration if root == self.root else None)
         return state
 
-    def save(self, progress, stopping: bool = False) -> Optional[str]:
-        """Write a checkpoint of `progress` (its step, consumed_samples, consumed_valid_samples) when it is time;
+    def save(self, state: TrainState, stopping: bool = False) -> Optional[str]:
+        """Write a checkpoint of `state` (its iteration, consumed_samples, consumed_valid_samples) when it is time;
         collective. Returns its directory, or None when nothing was written."""
-        if not self.root or progress.step == self.last_saved:
+        if not self.should_save(state.iteration, stopping):
             return None
-        due = progress.step > self.start if stopping else bool(self.interval and progress.step % self.interval == 0)
-        if not due:  # (stopping: a resumed run that had nothing left to train saves nothing)
-            return None
-        saved = save_checkpoint(self.root, progress.step, *self.parts, progress.consumed_samples,
-                                progress.consumed_valid_samples, self.schedule)
-        self.last_saved = progress.step
+        saved = save_checkpoint(self.root, state.iteration, *self.parts, state.consumed_samples,
+                                state.consumed_valid_samples, self.schedule)
+        self.last_saved = state.iteration
         self.log(f"saved checkpoint {saved}")
         return saved
