@@ -213,6 +213,13 @@ def test_blackbox_pretraining_refuses_before_any_worker_starts():
         check(parse_args(base + ["--num-experts", "4"]), 1)
     with pytest.raises(UsageError, match="--seq-length 600 exceeds --max-position-embeddings 512"):
         check(parse_args(base + ["--seq-length", "600", "--max-position-embeddings", "512"]), 1)
+    # the acceleration switches (config/flags.py: Flag.switch) wait for the model: ZeRO-3 is a Hugging Face
+    # model's, which the engine's own checks would refuse
+    from megatron_patch.templates.engine_config import engine_config
+
+    args = parse_args(base + ["--zero-3-memory-optimization", "--mixed-precision", "--checkpoint-activations"])
+    early = engine_config(args, accelerations=False)
+    assert (early.zero_stage, early.fp16, early.checkpoint_activations) == (0, False, False)
 
 
 # ---- 5. known messages once ----------------------------------------------------------------------------------------------

@@ -105,6 +105,9 @@ class Flag:
     metavar: Optional[str] = None
     default: Any = None
     front: Optional[Front] = None
+    # an acceleration switch: rapidformer applies it once the user's model says what it is (a Megatron model: the
+    # engine's Config; a Hugging Face one: accelerations.accelerate), so the front end's first Config leaves it out
+    switch: bool = False
 
     def __post_init__(self):
         if not self.dest:
@@ -118,36 +121,34 @@ class Flag:
     def is_switch(self) -> bool:
         return self.kind in (STORE_TRUE, STORE_FALSE)
 
+    def _front_or(self, entry: str, field: str, engine_value: Any, unset: Any = None) -> Any:
+        """The front end's override of `field` for `entry` rapidformer (when the record has one), else the engine's."""
+        if entry == RAPIDFORMER and self.front is not None:
+            value = getattr(self.front, field)
+            if value is not unset:
+                return value
+        return engine_value
+
     def names_for(self, entry: str) -> Tuple[str, ...]:
-        if entry == RAPIDFORMER and self.front is not None and self.front.names:
-            return self.front.names
-        return self.names
+        return self._front_or(entry, "names", self.names) or self.names
 
     def dest_for(self, entry: str) -> str:
-        if entry == RAPIDFORMER and self.front is not None and self.front.dest:
-            return self.front.dest
-        return self.dest
+        return self._front_or(entry, "dest", self.dest) or self.dest
 
     def choices_for(self, entry: str) -> Optional[Tuple[str, ...]]:
-        if entry == RAPIDFORMER and self.front is not None and self.front.choices:
-            return self.front.choices
-        return self.choices
+        return self._front_or(entry, "choices", self.choices) or self.choices
 
     def nargs_for(self, entry: str) -> Optional[str]:
-        if entry == RAPIDFORMER and self.front is not None and self.front.nargs is not _SAME:
-            return self.front.nargs
-        return self.nargs
+        return self._front_or(entry, "nargs", self.nargs, unset=_SAME)
 
     def help_for(self, entry: str) -> str:
-        if entry == RAPIDFORMER and self.front is not None and self.front.help:
-            return self.front.help
-        return self.help
+        return self._front_or(entry, "help", self.help) or self.help
 
     def default_for(self, entry: str) -> Any:
         """The value a parser of `entry` gives the flag when it is not on the command line (the engine's parsers
         leave it out, argparse.SUPPRESS, and the preset or Config fills it in: this is then what Config says)."""
         if entry == RAPIDFORMER and self.front is not None and self.front.default is not _SAME:
-            return self.front.default
+            return self.front.default  # (None is an override here: "not given")
         if self.entries & ENGINE:
             return getattr(_engine_defaults(), self.dest)  # the one place the engine's defaults are declared
         if self.kind == STORE_TRUE:
@@ -404,20 +405,20 @@ FLAGS: Tuple[Flag, ...] = (
            "this many layers per virtual stage"),
         _f("--sequence-parallel", STORE_TRUE, ENGINE, "with tensor parallelism: split the activations outside "
            "attention and MLP along the sequence"),
-        _f("--zero-1-memory-optimization", STORE_TRUE, ALL, "ZeRO-1: optimizer state sharded across workers"),
-        _f("--zero-2-memory-optimization", STORE_TRUE, ALL, "ZeRO-2: optimizer state and gradients sharded"),
+        _f("--zero-1-memory-optimization", STORE_TRUE, ALL, "ZeRO-1: optimizer state sharded across workers", switch=True),
+        _f("--zero-2-memory-optimization", STORE_TRUE, ALL, "ZeRO-2: optimizer state and gradients sharded", switch=True),
         _f("--zero-3-memory-optimization", STORE_TRUE, ALL, "ZeRO-3: optimizer state, gradients and parameters "
-           "sharded (Hugging Face models)"),
+           "sharded (Hugging Face models)", switch=True),
         _f("--oss-memory-optimization", STORE_TRUE, FRONT, "OSS: optimizer state sharded"),
         _f("--oss-sdp-memory-optimization", STORE_TRUE, FRONT, "SDP: optimizer state and gradients sharded"),
         _f("--fsdp-memory-optimization", STORE_TRUE, FRONT, "FSDP: optimizer state, gradients and parameters sharded"),
-        _f("--cpu-offload", STORE_TRUE, ALL, "optimizer state and step on the CPU"),
+        _f("--cpu-offload", STORE_TRUE, ALL, "optimizer state and step on the CPU", switch=True),
     ),
     *_concern(
         "precision",
-        _f("--mixed-precision", STORE_TRUE, ALL, "fp16 with dynamic loss scaling"),
-        _f("--bf16", STORE_TRUE, ALL, "bf16 (no loss scaling needed)"),
-        _f("--fp16", STORE_TRUE, ENGINE, "fp16 with loss scaling (as --mixed-precision)"),
+        _f("--mixed-precision", STORE_TRUE, ALL, "fp16 with dynamic loss scaling", switch=True),
+        _f("--bf16", STORE_TRUE, ALL, "bf16 (no loss scaling needed)", switch=True),
+        _f("--fp16", STORE_TRUE, ENGINE, "fp16 with loss scaling (as --mixed-precision)", switch=True),
         _f("--grad-reduce-in-bf16", STORE_TRUE, ENGINE, "with --bf16: accumulate and reduce gradients in bf16 "
            "instead of fp32 (Megatron-LM's flag): half the gradient buffer and its traffic, coarser accumulation over "
            "micro batches"),
@@ -431,7 +432,7 @@ FLAGS: Tuple[Flag, ...] = (
         "acceleration",
         _f("--compile --torch-compile", STORE_TRUE, ALL, "compile the model with torch.compile (a Megatron model: each "
            "transformer layer, GPU; the attention only in MoE layers)",
-           front=Front(dest="torch_compile")),  # the front end's name, read by its templates and samples
+           front=Front(dest="torch_compile"), switch=True),  # the front end's name, read by its templates and samples
         _f("--compile-mode --torch-compile-mode", str, ALL, "torch.compile's mode with --compile; reduce-overhead "
            "replays each compiled layer as a CUDA graph (less host overhead for small models, more memory)",
            choices=tuple(m for m in COMPILE_MODES if m != "max-autotune"),
@@ -440,8 +441,8 @@ FLAGS: Tuple[Flag, ...] = (
            front=Front(dest="torch_compile_mode", default=None, choices=COMPILE_MODES,
                        help="torch.compile's mode (implies --torch-compile); reduce-overhead and max-autotune replay "
                             "each step's kernels as CUDA graphs (GPU only), for batches padded to "
-                            "--pad-to-multiple-of")),
-        _f("--checkpoint-activations", STORE_TRUE, ALL, "recompute activations in the backward pass"),
+                            "--pad-to-multiple-of"), switch=True),
+        _f("--checkpoint-activations", STORE_TRUE, ALL, "recompute activations in the backward pass", switch=True),
         _f("--recompute-granularity", str, ENGINE, "with --checkpoint-activations: whole layers (full) or the "
            "attention core (selective)", choices=("full", "selective")),
         _f("--recompute-method", str, ENGINE, "full recompute: of every layer in chunks (uniform) or of the first "
@@ -473,6 +474,11 @@ def for_entry(entry: str) -> Tuple[Flag, ...]:
     if entry not in ENTRY_NAMES:
         raise ValueError(f"unknown entry point {entry!r}: one of {', '.join(ENTRY_NAMES)}")
     return tuple(f for f in FLAGS if entry in f.entries)
+
+
+def switches() -> FrozenSet[str]:
+    """The Config fields of the acceleration switches (`Flag.switch`)."""
+    return frozenset(f.dest for f in FLAGS if f.switch)
 
 
 def front_to_engine() -> Dict[str, str]:

@@ -6,23 +6,21 @@ from __future__ import annotations
 import argparse
 
 from megatron_patch.config import Config, ConfigError
-from megatron_patch.config.flags import front_to_engine
+from megatron_patch.config import flags
 
 from . import megatron_rules  # noqa: F401  (registers the rules of a Megatron model)
 from .front_table import run_front
 from .logger import get_logger
 
 # rapidformer dest -> Config field, for the flags both take (the registry's; a few are renamed: --torch-compile)
-_ENGINE_NAME = front_to_engine()
+_ENGINE_NAME = flags.front_to_engine()
 
 
 def engine_config(args: argparse.Namespace, accelerations: bool = True) -> Config:
     """The engine's Config for the `rapidformer` flags (not yet validated). `accelerations=False` leaves out the
     switches (ZeRO, precision, recompute, offload, compile): enough to start process groups before the model
     says whether it is a Megatron model."""
-    switches = {"zero_1_memory_optimization", "zero_2_memory_optimization", "zero_3_memory_optimization", "bf16",
-                "fp16", "mixed_precision", "checkpoint_activations", "cpu_offload", "compile",
-                "compile_mode"}
+    switches = flags.switches()
     values = {}
     for front, key in _ENGINE_NAME.items():
         value = getattr(args, front, None)

@@ -39,4 +39,15 @@ PLANTS = [
                   "(templates/engine_config.py maps dests through the registry)",
          tests=[f"{T}::test_the_front_end_reaches_the_engine_through_the_registry",
                 "tests/test_rapidformer_flags.py::test_megatron_pretrainer_takes_the_compile_mode"]),
+    dict(name="zero-3-not-a-switch", file="megatron_patch/config/flags.py",
+         original='"sharded (Hugging Face models)", switch=True),',
+         replacement='"sharded (Hugging Face models)"),',
+         property="the acceleration switches wait for the model: a Hugging Face --task pretraining run's early "
+                  "engine Config leaves out ZeRO-3 (which the engine's checks refuse for a Megatron model)",
+         tests=["tests/test_rapidformer_megatron.py::test_blackbox_pretraining_refuses_before_any_worker_starts"]),
+    dict(name="front-override-ignored-for-dest", file="megatron_patch/config/flags.py",
+         original='return self._front_or(entry, "dest", self.dest) or self.dest',
+         replacement='return self.dest',
+         property="a flag rapidformer names differently (--torch-compile's dest) keeps its front-end dest",
+         tests=[f"{T}::test_rapidformer_defaults_are_what_they_were"]),
 ]
