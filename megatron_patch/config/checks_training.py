@@ -2,7 +2,6 @@
 checkpoint flags (see checks.py)."""
 from __future__ import annotations
 
-import importlib.util
 from typing import TYPE_CHECKING, Optional
 
 from . import rule as probes  # the GPU / Triton probes (tests replace _has_gpu)
@@ -129,7 +128,7 @@ def loss_fusion(c: Config) -> Optional[str]:
         return (f"--cross-entropy-loss-fusion with --cross-entropy-fusion-impl native (the default): megatron-core's "
                 f"fused cross entropy returns the gradient of the logits in bf16, which would round this "
                 f"{c.params_dtype_name} run's gradients; use it with --bf16, or use --cross-entropy-fusion-impl linear")
-    if impl == "te" and importlib.util.find_spec("transformer_engine") is None:
+    if impl == "te" and not probes.transformer_engine_available():
         return ("--cross-entropy-fusion-impl te needs Transformer Engine, which is not installed: use linear (fused "
                 "output layer and loss) or native")
     if impl == "triton":

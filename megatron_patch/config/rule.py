@@ -3,6 +3,7 @@
 checks_layout.py and checks_training.py; checks.py runs them."""
 from __future__ import annotations
 
+import functools
 import importlib.util
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, List, Optional
@@ -54,7 +55,10 @@ def triton_missing(flag: str, missing: str, no_gpu: str) -> Optional[str]:
 
 
 
+@functools.lru_cache(maxsize=1)
 def transformer_engine_available() -> bool:
+    """Whether Transformer Engine imports (megatron-core probes it the same way: installed but broken counts as
+    absent); once per process, so the checks pay for the import at most once."""
     try:
         import transformer_engine  # noqa: F401
 
