@@ -23,9 +23,7 @@ ENTRY_CONCERNS = ("bert_pretraining",)
 def run_checks(c: Config, concerns: Optional[tuple] = None) -> None:
     """Raise ConfigError with the first refusal of the table (of `concerns`; default every concern but the entry
     points' own, ENTRY_CONCERNS) for `c`."""
-    for check in CHECKS:
-        if check.concern in concerns if concerns is not None else check.concern not in ENTRY_CONCERNS:
-            refusal = check.fn(c)
-            if refusal:
-                raise ConfigError(refusal)
-
+    if concerns is not None:
+        CHECKS.run(c, which=lambda concern: concern in concerns, error=ConfigError)
+    else:
+        CHECKS.run(c, which=lambda concern: concern not in ENTRY_CONCERNS, error=ConfigError)

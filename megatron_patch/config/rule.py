@@ -1,33 +1,43 @@
-"""The rule table's frame: a `Check` (name, concern, function Config -> refusal or None), the table `CHECKS` that
-`@rule(concern)` fills, and the environment probes rules share (a GPU, Triton). The rules themselves are in
+"""The rule tables' frame: a `Check` (name, concern, function -> refusal or None), `RuleTable`, the engine's table
+`CHECKS` that `@rule(concern)` fills, and the environment probes rules share (a GPU, Triton). The rules themselves are in
 checks_layout.py and checks_training.py; checks.py runs them."""
 from __future__ import annotations
 
 import functools
 import importlib.util
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, Optional
-
-if TYPE_CHECKING:
-    from .config import Config
+from typing import Callable, List, Optional, Type
 
 
 @dataclass(frozen=True)
 class Check:
     name: str
     concern: str
-    fn: Callable[["Config"], Optional[str]]
+    fn: Callable[..., Optional[str]]  # the inputs of its table (the engine's: a Config) -> refusal or None
 
 
-CHECKS: List[Check] = []
+class RuleTable(List[Check]):
+    """A table of named rules grouped by concern, in registration order: the engine's `CHECKS` (Config -> refusal)
+    and the front end's (templates/front_table.py: the flags and the worker count -> refusal) are two of them."""
+
+    def rule(self, concern: str):
+        """Register the decorated function (the table's inputs -> refusal or None) as a check of `concern`."""
+        def register(fn):
+            self.append(Check(fn.__name__, concern, fn))
+            return fn
+        return register
+
+    def run(self, *inputs, which: Callable[[str], bool], error: Type[Exception]) -> None:
+        """Raise `error` with the first refusal of the rules whose concern `which` accepts, in table order."""
+        for check in self:
+            if which(check.concern):
+                refusal = check.fn(*inputs)
+                if refusal:
+                    raise error(refusal)
 
 
-def rule(concern: str):
-    """Register the decorated function (Config -> refusal or None) as a check of `concern`."""
-    def register(fn):
-        CHECKS.append(Check(fn.__name__, concern, fn))
-        return fn
-    return register
+CHECKS = RuleTable()
+rule = CHECKS.rule  # the engine's rules register with @rule(concern)
 
 
 def _has_gpu() -> bool:

@@ -1,4 +1,4 @@
-"""The front end's table of named rules (the engine's Check frame, config/rule.py): rules register with
+"""The front end's table of named rules (a `RuleTable`, the engine's frame: config/rule.py): rules register with
 `@front_rule(concern)` as a function (args, world_size) -> refusal or None; `run_front` runs those of the concerns
 asked for, in table order, and raises the first refusal. The launching process runs the command line's rules
 (rules.py); the rules of a PreTrainer and of the model it built (model_rules.py, megatron_rules.py) run where
@@ -6,29 +6,18 @@ the script says what it is."""
 from __future__ import annotations
 
 import argparse
-from typing import Callable, List, Type
+from typing import Callable, Type
 
-from megatron_patch.config.rule import Check
+from megatron_patch.config.rule import RuleTable
 
-FRONT_CHECKS: List[Check] = []
+FRONT_CHECKS = RuleTable()
+front_rule = FRONT_CHECKS.rule  # @front_rule(concern) on a function (args, world_size) -> refusal or None
 
 # concerns whose rules need what the user's script built (model_rules.py, megatron_rules.py): they run there, not
 # with the command line's rules
 MODEL_CONCERNS = ("pretrainer", "megatron_model")
 
 
-def front_rule(concern: str):
-    """Register the decorated function (args, world_size) -> refusal or None as a rule of `concern`."""
-    def register(fn):
-        FRONT_CHECKS.append(Check(fn.__name__, concern, fn))
-        return fn
-    return register
-
-
 def run_front(args: argparse.Namespace, world_size: int, which: Callable[[str], bool], error: Type[Exception]) -> None:
     """Raise `error` with the first refusal of the rules whose concern `which` accepts."""
-    for rule in FRONT_CHECKS:
-        if which(rule.concern):
-            refusal = rule.fn(args, world_size)
-            if refusal:
-                raise error(refusal)
+    FRONT_CHECKS.run(args, world_size, which=which, error=error)
