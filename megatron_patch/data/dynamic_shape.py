@@ -174,8 +174,8 @@ class StepBuckets:
         return len(groups)
 
     def describe(self) -> str:
-        pad = 1 - self.real / self.computed if self.computed else 0.0
-        fixed = 1 - self.real / self.fixed if self.fixed else 0.0
+        pad = PaddingStats(self.real, self.computed).padding_fraction
+        fixed = PaddingStats(self.real, self.fixed).padding_fraction
         return (f"dynamic-shape: padding {pad:.1%} of computed tokens (fixed-shape: {fixed:.1%}); "
                 f"{self.computed:,} tokens computed instead of {self.fixed:,}")
 
