@@ -120,7 +120,8 @@ def test_checkpointer_saves_every_interval_and_at_the_end_once(tmp_path):
 
 @pytest.mark.parametrize("rule,progress,epoch_over,done", [
     (Stop(steps=4), TrainState(iteration=3), False, False), (Stop(steps=4), TrainState(iteration=4), False, True),
-    (Stop(epochs=2), TrainState(iteration=9, epoch=2), False, False), (Stop(epochs=2), TrainState(iteration=9, epoch=2), True, True),
+    (Stop(epochs=2), TrainState(iteration=9, epoch=2), False, False),
+    (Stop(epochs=2), TrainState(iteration=9, epoch=2), True, True),
     (Stop(epochs=2), TrainState(iteration=9, epoch=1), True, False)])
 def test_stop_rules(rule, progress, epoch_over, done):
     assert rule.done(progress, epoch_over) is done

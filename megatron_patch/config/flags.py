@@ -405,8 +405,10 @@ FLAGS: Tuple[Flag, ...] = (
            "this many layers per virtual stage"),
         _f("--sequence-parallel", STORE_TRUE, ENGINE, "with tensor parallelism: split the activations outside "
            "attention and MLP along the sequence"),
-        _f("--zero-1-memory-optimization", STORE_TRUE, ALL, "ZeRO-1: optimizer state sharded across workers", switch=True),
-        _f("--zero-2-memory-optimization", STORE_TRUE, ALL, "ZeRO-2: optimizer state and gradients sharded", switch=True),
+        _f("--zero-1-memory-optimization", STORE_TRUE, ALL, "ZeRO-1: optimizer state sharded across workers",
+           switch=True),
+        _f("--zero-2-memory-optimization", STORE_TRUE, ALL, "ZeRO-2: optimizer state and gradients sharded",
+           switch=True),
         _f("--zero-3-memory-optimization", STORE_TRUE, ALL, "ZeRO-3: optimizer state, gradients and parameters "
            "sharded (Hugging Face models)", switch=True),
         _f("--oss-memory-optimization", STORE_TRUE, FRONT, "OSS: optimizer state sharded"),

@@ -1,6 +1,6 @@
 """The rule tables' frame: a `Check` (name, concern, function -> refusal or None), `RuleTable`, the engine's table
-`CHECKS` that `@rule(concern)` fills, and the environment probes rules share (a GPU, Triton). The rules themselves are in
-checks_layout.py and checks_training.py; checks.py runs them."""
+`CHECKS` that `@rule(concern)` fills, and the environment probes rules share (a GPU, Triton). The rules themselves
+are in checks_layout.py, checks_training.py and checks_bert.py; checks.py runs them."""
 from __future__ import annotations
 
 import functools

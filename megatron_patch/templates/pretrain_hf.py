@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-
 from megatron_patch.config.checkpoint_layout import TRACKER, CheckpointError
 from megatron_patch.data.dynamic_shape import StepBuckets
 
@@ -64,8 +63,8 @@ def run(pretrainer, cfg, datasets, model, optimizer, scheduler) -> List[Dict]:
                 peaks, decays = [p for p, _ in built], [d for _, d in built]
             resume_hf.continue_schedule(scheduler, optimizer, peaks, decays)
         notes = state["notes"] + ([plan.note] if plan.note else [])
-        log.info(f"resumed from {args.load} at iteration {progress.iteration} ({progress.consumed_samples} training and "
-                 f"{progress.consumed_valid_samples} validation samples read)" + "".join(f"; {n}" for n in notes))
+        log.info(f"resumed from {args.load} at iteration {progress.iteration} ({progress.consumed_samples} training "
+                 f"and {progress.consumed_valid_samples} validation samples read)" + "".join(f"; {n}" for n in notes))
     world = pretrainer.engine.world_size
     accum = cfg.num_microbatches
     log.info(f"training: {cfg.train_iters} iterations of {cfg.global_batch_size} samples ({cfg.micro_batch_size} per "

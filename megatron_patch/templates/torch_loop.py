@@ -212,7 +212,8 @@ class TorchLoop:
                     progress.iteration += 1
                     progress.consumed_samples += self.data.step_samples()
                     self.reporter.train_step(progress, result, self.data.step_samples())
-                    if self.validator.after_step(progress) | bool(self.checkpointer and self.checkpointer.save(progress)):
+                    saved = self.checkpointer is not None and bool(self.checkpointer.save(progress))
+                    if self.validator.after_step(progress) | saved:
                         self.reporter.restart_clock()  # samples/s counts training only
                     if self.stop.done(progress):
                         break
