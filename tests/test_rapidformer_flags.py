@@ -329,7 +329,7 @@ def test_a_script_model_must_hold_the_setting_flags():
     import transformers as T
 
     from megatron_patch.config import ConfigError
-    from megatron_patch.templates.shape_flags import check_shape_flags
+    from megatron_patch.templates.rules.shape_flags import check_shape_flags
 
     model = T.BertModel(T.BertConfig(num_hidden_layers=1, hidden_size=32, num_attention_heads=2, intermediate_size=64,
                                      hidden_dropout_prob=0.1, initializer_range=0.02))

@@ -89,9 +89,9 @@ def check_data(args: argparse.Namespace) -> None:
 def check_shapes(args: argparse.Namespace) -> None:
     """What the model directory of a black-box run decides, from its config: fine-tuning loads the model as it
     is, so a shape flag must agree with its config (the same rule the templates apply to the model a script
-    builds, `templates.shape_flags`); a setting flag (--hidden-dropout ...) needs a config that has the setting;
+    builds, `templates.rules.shape_flags`); a setting flag (--hidden-dropout ...) needs a config that has the setting;
     --task pretraining's model kind (BERT-style or causal) says which data flags act (`flag_use`)."""
-    from megatron_patch.templates.shape_flags import SETTING_FLAGS, SHAPE_FLAGS, config_settings, mismatches
+    from megatron_patch.templates.rules.shape_flags import SETTING_FLAGS, SHAPE_FLAGS, config_settings, mismatches
 
     if args.user_script or args.task not in TASKS:
         return

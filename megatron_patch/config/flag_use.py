@@ -14,7 +14,7 @@ What a cell says:
 
     acts       the front end, the template or the engine reads it
     config     a Hugging Face model keeps the shape and settings of its config: the flag must agree with it
-               (templates/shape_flags.py refuses a difference)
+               (templates/rules/shape_flags.py refuses a difference)
     script     the template does not read it; the white-box script's hooks get it from get_args() (the
                documented samples pass --split, --data-impl, --mask-prob ... to the dataset builders)
     no         refused when given
@@ -26,7 +26,7 @@ A white-box script's own loop (`engine.compose`, no template) reads what it read
 acceleration, optimizer and schedule flags) and `build_data_loader` act for it, and nothing is refused there
 beyond what is refused everywhere.
 
-The refusals run where the kind of run is first known: the front end's rules (templates/rules.py) for --task runs,
+The refusals run where the kind of run is first known: the front end's rules (templates/rules/) for --task runs,
 before any worker starts; the launching process's model check (cli/preflight.py) for what depends on the model
 directory's config; the templates' train() for a --user-script, whose kind only the template knows.
 """

@@ -177,7 +177,7 @@ _SHAPE_HELP = ("Megatron models and --task pretraining: the model's shape; a Hug
 SHAPE = Front(default=None, help=_SHAPE_HELP)
 _HF_SETTING = ("; a Hugging Face model the black-box tasks load gets it in its config ({}); one a script builds must "
                "have it there")
-# Not given (None): the front end's rules (templates/rules.py) or the template choose per kind of run (--lr 5e-5,
+# Not given (None): the front end's rules (templates/rules/) or the template choose per kind of run (--lr 5e-5,
 # 8 samples per worker, 3 epochs unless --train-iters; a Megatron PreTrainer: Config's value, engine_config.py).
 RULES_CHOOSE = Front(default=None)
 

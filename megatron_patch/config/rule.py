@@ -18,7 +18,7 @@ class Check:
 
 class RuleTable(List[Check]):
     """A table of named rules grouped by concern, in registration order: the engine's `CHECKS` (Config -> refusal)
-    and the front end's (templates/front_table.py: the flags and the worker count -> refusal) are two of them."""
+    and the front end's (templates/rules/table.py: the flags and the worker count -> refusal) are two of them."""
 
     def rule(self, concern: str):
         """Register the decorated function (the table's inputs -> refusal or None) as a check of `concern`."""

@@ -8,8 +8,8 @@ import argparse
 from megatron_patch.config import Config, ConfigError
 from megatron_patch.config import flags
 
-from . import megatron_rules  # noqa: F401  (registers the rules of a Megatron model)
-from .front_table import run_front
+from .rules import megatron_model  # noqa: F401  (registers the rules of a Megatron model)
+from .rules.table import run_front
 from .logger import get_logger
 
 # rapidformer dest -> Config field, for the flags both take (the registry's; a few are renamed: --torch-compile)

@@ -23,7 +23,7 @@ from .globals import get_logger
 from .reporting import LoopReporter
 from .saving import save_pretrained
 from .schedule import build_scheduler
-from .shape_flags import check_shape_flags
+from .rules.shape_flags import check_shape_flags
 from .torch_loop import (EpochBatches, Stop, TorchLoop, TrainState, TrainStep, Validator, accelerate_for_loop,
                          evaluating)
 

@@ -52,9 +52,9 @@ class PreTrainer:
         from megatron_patch.parallel import initialize
         from megatron_patch.training.data import sample_counts
 
-        from . import model_rules  # noqa: F401  (registers the rules of a PreTrainer)
+        from .rules import pretrainer as _rules  # noqa: F401  (registers the rules of a PreTrainer)
         from . import pretrain_megatron
-        from .front_table import run_front
+        from .rules.table import run_front
 
         args, log = self.args, get_logger()
         run_front(args, self.engine.world_size, lambda concern: concern == "pretrainer", ConfigError)
@@ -86,7 +86,7 @@ class PreTrainer:
             log.info("model: a megatron-core model: training with the engine (TP/PP schedules, ZeRO, recompute)")
             return pretrain_megatron.run(self, cfg, (train_ds, valid_ds, test_ds), model)
         from . import pretrain_hf
-        from .shape_flags import check_shape_flags
+        from .rules.shape_flags import check_shape_flags
 
         refuse_unused(args, (kind,), error=ConfigError)
         check_shape_flags(args, model, "model_optimizer_lr_scheduler_provider()")

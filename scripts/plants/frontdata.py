@@ -42,7 +42,7 @@ PLANTS = [
                      "\"model_optimizer_lr_scheduler_provider()\")\n",
          property="a white-box HF PreTrainer whose model disagrees with the shape flags is refused in one line",
          tests=[f"{BAD_INPUT}::test_white_box_pretrainer_refuses_shape_flags_its_model_ignores"]),
-    dict(name="finetune-shape-flags-one-only", file="megatron_patch/templates/shape_flags.py",
+    dict(name="finetune-shape-flags-one-only", file="megatron_patch/templates/rules/shape_flags.py",
          original="        if value != given:\n",
          replacement="        if value != given and flag == \"num_layers\":\n",
          property="every shape flag given is compared with the model's config (fine-tuning refuses a difference)",

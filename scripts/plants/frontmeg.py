@@ -50,7 +50,7 @@ PLANTS = [
          property="--cpu-offload on a machine without a GPU: 'add ZeRO' without the flag, 'drop the flag' with it",
          tests=[f"{T}::test_cpu_offload_answer_does_not_depend_on_the_zero_flag",
                 f"{T}::test_worker_configuration_error_is_one_line_and_exit_2", "tests/test_config.py -k rejections"]),
-    dict(name="ort-on-megatron-not-checked", file="megatron_patch/templates/megatron_rules.py",
+    dict(name="ort-on-megatron-not-checked", file="megatron_patch/templates/rules/megatron_model.py",
          original="    if getattr(args, \"onnx_runtime_training\", False):",
          replacement="    if getattr(args, \"onnx_runtime\", False):",
          property="--onnx-runtime-training with a Megatron model is silently ignored instead of refused in words",
@@ -67,7 +67,7 @@ PLANTS = [
          property="messages meant for rank 0 only (LOAD REPORT, CUDA_DEVICE_MAX_CONNECTIONS) shown by the other "
                   "ranks and hidden on rank 0",
          tests=[f"{T}::test_transformers_load_report_is_printed_by_rank_0_only"]),
-    dict(name="blackbox-pretraining-not-checked-up-front", file="megatron_patch/templates/rules.py",
+    dict(name="blackbox-pretraining-not-checked-up-front", file="megatron_patch/templates/rules/__init__.py",
          original="    if args.task != \"pretraining\" or args.user_script:\n        return None\n    if args.num_experts:",
          replacement="    if args.task != \"pretraining\" or not args.user_script:\n        return None\n    if args.num_experts:",
          property="--task pretraining's settings (and --num-experts) are no longer refused before workers start",

@@ -6,9 +6,9 @@ PLANTS = [
          property="the configuration layer imports nothing from the layers above it (here: the checkpoint layout "
                   "taken from training's package, which re-exports it)",
          tests=["tests/test_layering.py::test_imports_follow_the_layer_order_without_cycles"]),
-    dict(name="front-table-imports-its-rules", file="megatron_patch/templates/front_table.py",
+    dict(name="front-table-imports-its-rules", file="megatron_patch/templates/rules/table.py",
          original="from megatron_patch.config.rule import RuleTable\n",
-         replacement="from megatron_patch.config.rule import RuleTable\n\nfrom . import model_rules  # noqa: F401,E402\n",
+         replacement="from megatron_patch.config.rule import RuleTable\n\nfrom . import pretrainer  # noqa: F401,E402\n",
          property="no import cycle between modules (the rules table registering its rule modules, which import it)",
          tests=["tests/test_layering.py::test_imports_follow_the_layer_order_without_cycles"]),
     dict(name="manifest-reading-imports-torch", file="megatron_patch/config/checkpoint_layout.py",

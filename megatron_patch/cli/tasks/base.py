@@ -65,7 +65,7 @@ class BlackBoxFinetuner(Finetuner):
     def model_optimizer_lr_scheduler_provider(self):
         from transformers import AutoConfig
 
-        from megatron_patch.templates.shape_flags import config_settings
+        from megatron_patch.templates.rules.shape_flags import config_settings
 
         # --hidden-dropout, --attention-dropout, --init-method-std go into the config the model is built from
         # (the init std reaches the weights the directory does not hold, e.g. a new classification head)

@@ -21,7 +21,7 @@ from megatron_patch.config.rapidformer_flags import UsageError
 from megatron_patch.config.flag_use import refuse_unused
 from megatron_patch.templates.globals import get_logger
 from megatron_patch.templates.pretrainer import PreTrainer
-from megatron_patch.templates.shape_flags import config_settings, mismatches
+from megatron_patch.templates.rules.shape_flags import config_settings, mismatches
 
 
 def model_kind(config) -> str:

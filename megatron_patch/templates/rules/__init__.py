@@ -1,9 +1,13 @@
 """The front end's own rules (the parameter guide's notes), checked once, in the launching process, before any
 worker starts (the workers get the flags as checked: cli/launch.py).
 
+The package: here the command line's rules; `table.py` the front end's rule table; `megatron_model.py` and
+`pretrainer.py` the rules that run once the user's script says what it built; `shape_flags.py` the shape and
+setting flags compared with a built Hugging Face model.
+
 `check(args, world_size)` = `resolve_front` (the defaults of flags the guide marks required but the how-to's own
 commands leave out, each named in `args.notes`, printed once as a log line each; no I/O) and then the front
-end's table of named rules by concern (front_table.py, on the engine's frame), each returning its refusal
+end's table of named rules by concern (table.py, on the engine's frame), each returning its refusal
 (a sentence naming the flags and the fix; a flag the run would ignore included: `flag_use`) or None; the first
 refusal is raised as UsageError.
 """
@@ -16,7 +20,7 @@ from typing import Optional
 from megatron_patch.config.rapidformer_flags import FINETUNE_TASKS, UsageError
 from megatron_patch.config.flag_use import refuse_unused, run_kinds
 
-from .front_table import MODEL_CONCERNS, front_rule, run_front
+from .table import MODEL_CONCERNS, front_rule, run_front
 
 DEFAULT_EPOCHS = 3
 DEFAULT_LR = 5e-5

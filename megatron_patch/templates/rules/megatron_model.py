@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from typing import Optional
 
-from .front_table import front_rule
+from .table import front_rule
 
 # Hugging Face-only sharding switches: the Megatron engine shards with ZeRO-1/2 (its distributed optimizer,
 # Megatron-FSDP)

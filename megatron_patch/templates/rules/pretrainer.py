@@ -1,13 +1,13 @@
 """The front end's rules that need to know what the user's script built (concerns of the front end's table,
-front_table.py): "pretrainer" runs when PreTrainer.train() starts (the script is a pretraining one, whatever
---task says). A Megatron model's rules are in megatron_rules.py; the flags a Hugging Face model cannot use (such
+table.py): "pretrainer" runs when PreTrainer.train() starts (the script is a pretraining one, whatever
+--task says). A Megatron model's rules are in megatron_model.py; the flags a Hugging Face model cannot use (such
 as tensor/pipeline parallelism) are refused by config/flag_use.py's table once the model says its kind."""
 from __future__ import annotations
 
 import argparse
 from typing import Optional
 
-from .front_table import front_rule
+from .table import front_rule
 
 
 @front_rule("pretrainer")
