@@ -193,7 +193,7 @@ def blackbox_pretraining_settings(args: argparse.Namespace, world_size: int) -> 
                 "experts layers are built in Megatron models (a --user-script PreTrainer whose model is "
                 "megatron_patch.models.GPTModel()): drop the flag")
     from megatron_patch.config import ConfigError
-    from .engine_config import engine_config
+    from ..engine_config import engine_config
 
     try:  # the settings PreTrainer.train() validates first (the run's shape, schedule and data)
         engine_config(args, accelerations=False).validate(world_size)

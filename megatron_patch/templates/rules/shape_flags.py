@@ -33,16 +33,21 @@ SETTING_FLAGS: Dict[str, Tuple[str, ...]] = {
 }
 
 
+def _settings_given(args: argparse.Namespace, config):
+    """(flag, the config attributes that may hold it, the flag's value, those the config holds as numbers) for each
+    setting flag given."""
+    for flag, names in SETTING_FLAGS.items():
+        value = getattr(args, flag, None)
+        if value is not None:
+            yield flag, names, value, [n for n in names if isinstance(getattr(config, n, None), (int, float))]
+
+
 def config_settings(args: argparse.Namespace, config) -> Dict[str, float]:
     """{config attribute: value} for the setting flags given (every attribute of the config that holds the
     setting). Raises ConfigError naming the flag when the config has no such setting (e.g. --hidden-dropout for
     a Llama config, which has attention dropout only): the flag could not act."""
     out = {}
-    for flag, names in SETTING_FLAGS.items():
-        value = getattr(args, flag, None)
-        if value is None:
-            continue
-        present = [n for n in names if isinstance(getattr(config, n, None), (int, float))]
+    for flag, names, value, present in _settings_given(args, config):
         if not present:
             from megatron_patch.config import ConfigError
 
@@ -82,11 +87,7 @@ def setting_mismatches(args: argparse.Namespace, config) -> Dict[str, Tuple[str,
     """{flag: (config attribute, the config's value, the flag's value)} for the setting flags given that the
     config does not hold (None when the config has no such setting)."""
     out = {}
-    for flag, names in SETTING_FLAGS.items():
-        given = getattr(args, flag, None)
-        if given is None:
-            continue
-        present = [n for n in names if isinstance(getattr(config, n, None), (int, float))]
+    for flag, names, given, present in _settings_given(args, config):
         wrong = [n for n in present if abs(getattr(config, n) - given) > 1e-12]
         if not present or wrong:
             name = wrong[0] if wrong else names[0]
