@@ -212,8 +212,10 @@ class TorchLoop:
                     progress.iteration += 1
                     progress.consumed_samples += self.data.step_samples()
                     self.reporter.train_step(progress, result, self.data.step_samples())
+                    # evaluate, then save: the checkpoint holds the validation position after this step's evaluation
+                    evaluated = self.validator.after_step(progress)
                     saved = self.checkpointer is not None and bool(self.checkpointer.save(progress))
-                    if self.validator.after_step(progress) | saved:
+                    if evaluated or saved:
                         self.reporter.restart_clock()  # samples/s counts training only
                     if self.stop.done(progress):
                         break

@@ -65,4 +65,13 @@ PLANTS = [
          replacement="return self.start is None or iteration >= self.start",
          property="a resumed run that had nothing left to train writes no checkpoint",
          tests=[TL + "test_checkpointer_saves_every_interval_and_at_the_end_once"]),
+    dict(name="torch-save-before-evaluation", file="megatron_patch/templates/torch_loop.py",
+         original="                    evaluated = self.validator.after_step(progress)\n"
+                  "                    saved = self.checkpointer is not None and bool(self.checkpointer.save(progress))\n",
+         replacement="                    saved = self.checkpointer is not None and bool(self.checkpointer.save(progress))\n"
+                     "                    evaluated = self.validator.after_step(progress)\n",
+         property="at a step that evaluates and saves, the torch loop evaluates first: the checkpoint records the "
+                  "validation position after that evaluation, so a resumed run evaluates the batches the "
+                  "uninterrupted run would",
+         tests=[PT + "test_hf_pretrainer_falls_back_from_a_damaged_checkpoint_and_resumes_exactly"]),
 ]
