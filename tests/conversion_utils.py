@@ -56,6 +56,17 @@ FAMILIES = {
     "mistral": Family("MistralConfig", "MistralForCausalLM", dict(
         num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, tie_word_embeddings=False), dtype=torch.bfloat16),
+    # Llama 3.1-style RoPE scaling with non-default bounds (megatron-core hard-codes 1, 4, 8192: compat.rope), a base
+    # of 500000, an original context shorter than the test's positions, GQA, untied
+    "llama3": Family("LlamaConfig", "LlamaForCausalLM", dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=128, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 2.0,
+                         "high_freq_factor": 8.0, "original_max_position_embeddings": 64})),
+    # q/k norms, head_dim 24 != hidden 64 / 4 heads, tied embeddings
+    "qwen3": Family("Qwen3Config", "Qwen3ForCausalLM", dict(
+        num_hidden_layers=2, hidden_size=64, head_dim=24, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=True)),
 }
 
 
@@ -69,6 +80,11 @@ MOE_FAMILIES = {
         num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
         max_position_embeddings=64, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48,
         shared_expert_intermediate_size=80, mlp_only_layers=[1], norm_topk_prob=False), router_std=0.25),
+    # Qwen3's attention (q/k norms, head_dim 24), no shared expert, norm_topk_prob True (the released models')
+    "qwen3_moe": Family("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
+        num_hidden_layers=2, hidden_size=64, head_dim=24, intermediate_size=96, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True), router_std=0.25),
 }
 
 

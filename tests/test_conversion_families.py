@@ -41,7 +41,7 @@ from engine_utils import run_engine  # noqa: E402
 FAST = set()
 MATRIX = [pytest.param(f, lay, id=f"{f}-{lay}", marks=() if (f, lay) in FAST else pytest.mark.slow)
           for f in FAMILIES for lay in LAYOUTS]
-TIED = {f for f in FAMILIES if f in ("gpt2", "qwen2")}
+TIED = {f for f in FAMILIES if f in ("gpt2", "qwen2", "qwen3")}
 
 
 @pytest.fixture(scope="module")

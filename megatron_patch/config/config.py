@@ -39,6 +39,14 @@ class ModelConfig:
     max_position_embeddings: Optional[int] = None  # resolve(): --seq-length when not given
     position_embedding_type: str = "learned_absolute"
     rotary_base: int = 10000
+    # Llama 3.1-3.3's RoPE scaling (HF rope_type "llama3"): long wavelengths divided by the factor, a smooth
+    # blend between the low- and high-frequency bounds of the original context, short ones unchanged
+    use_rope_scaling: bool = False
+    rope_scaling_factor: float = 8.0
+    rope_scaling_low_freq_factor: float = 1.0
+    rope_scaling_high_freq_factor: float = 4.0
+    rope_scaling_original_max_position_embeddings: int = 8192
+    qk_layernorm: bool = False  # a norm over each query and key head (Qwen3), before RoPE
     swiglu: bool = False
     openai_gelu: bool = False  # tanh-approximated GELU (GPT-2's gelu_new) instead of the exact one
     kv_channels: Optional[int] = None  # attention head dimension; default hidden_size / num_attention_heads

@@ -203,8 +203,8 @@ FLAGS: Tuple[Flag, ...] = (
         "model",
         _f("--pretrained-model-name-or-path", str, FRONT, "a local Hugging Face model directory (or a name already in "
            "the local cache: nothing is downloaded)"),
-        _f("--model-family", str, ENGINE, "architecture preset: gpt (GPT-2), llama, qwen2, mistral, mixtral, "
-           "qwen2_moe; bert (pretrain_megatron_bert.py)", choices=tuple(FAMILIES)),
+        _f("--model-family", str, ENGINE, "architecture preset: gpt (GPT-2), llama, llama3 (3.1-3.3), "
+           "qwen2 (and Qwen2.5), qwen3, mistral, mixtral, qwen2_moe, qwen3_moe; bert (pretrain_megatron_bert.py)", choices=tuple(FAMILIES)),
         _f("--model-size", str, ENGINE, "size preset of the family: "
            + "; ".join(f"{f}: {', '.join(s)}" for f, s in SIZES.items())),
         _f("--num-layers", int, ALL, "transformer layers", front=SHAPE),
@@ -221,6 +221,14 @@ FLAGS: Tuple[Flag, ...] = (
         _f("--max-position-embeddings", int, ALL, "positions the model embeds (default: --seq-length)",
            front=Front(help=_SHAPE_HELP)),  # the shape note; Config's default is None already
         _f("--rotary-base", int, ENGINE, "RoPE base (with --position-embedding-type rope)"),
+        _f("--use-rope-scaling", STORE_TRUE, ENGINE, "Llama 3.1-3.3's RoPE scaling (Hugging Face rope_type llama3)"),
+        _f("--rope-scaling-factor", float, ENGINE, "Llama 3.x RoPE scaling: the factor long wavelengths are "
+           "divided by"),
+        _f("--rope-scaling-low-freq-factor", float, ENGINE, "Llama 3.x RoPE scaling: low_freq_factor"),
+        _f("--rope-scaling-high-freq-factor", float, ENGINE, "Llama 3.x RoPE scaling: high_freq_factor"),
+        _f("--rope-scaling-original-max-position-embeddings", int, ENGINE, "Llama 3.x RoPE scaling: the context "
+           "the model was first trained at (original_max_position_embeddings)"),
+        _f("--qk-layernorm", STORE_TRUE, ENGINE, "normalise each query and key head before RoPE (Qwen3)"),
         _f("--norm-epsilon", float, ENGINE, "epsilon of LayerNorm/RMSNorm"),
         # Not given (None, the three below): the Hugging Face model's config keeps its own dropout and init std
         _f("--hidden-dropout", float, ALL, "dropout of the hidden states",

@@ -13,7 +13,9 @@ from .errors import ConfigError
 ARCHITECTURE = ("model_family", "num_layers", "hidden_size", "num_attention_heads", "num_query_groups",
                 "ffn_hidden_size", "kv_channels", "max_position_embeddings", "position_embedding_type", "rotary_base",
                 "normalization", "norm_epsilon", "swiglu", "openai_gelu", "untie_embeddings_and_output_weights",
-                "disable_bias_linear", "add_qkv_bias", "model_vocab_size", "padded_vocab_size", "bert_binary_head",
+                "disable_bias_linear", "add_qkv_bias", "qk_layernorm", "use_rope_scaling", "rope_scaling_factor",
+                "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
+                "rope_scaling_original_max_position_embeddings", "model_vocab_size", "padded_vocab_size", "bert_binary_head",
                 # mixture of experts: which layers have experts, how many, their width and routing
                 "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_pre_softmax",
                 "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")

@@ -13,6 +13,18 @@ FAMILIES: Dict[str, Dict[str, object]] = {
     "qwen2": dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm", rotary_base=1000000,
                   untie_embeddings_and_output_weights=True, disable_bias_linear=True, add_qkv_bias=True, norm_epsilon=1e-6,
                   hidden_dropout=0.0, attention_dropout=0.0),
+    # Llama 3.1-3.3 (LlamaForCausalLM with rope_type llama3): GQA, RoPE base 500000 scaled by 8 beyond the original
+    # 8k context, 128k positions; the 3.2 1B/3B sizes tie their embeddings and scale by 32 (SIZE_EXTRAS)
+    "llama3": dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm", rotary_base=500000,
+                   use_rope_scaling=True, rope_scaling_factor=8.0, rope_scaling_low_freq_factor=1.0,
+                   rope_scaling_high_freq_factor=4.0, rope_scaling_original_max_position_embeddings=8192,
+                   max_position_embeddings=131072, untie_embeddings_and_output_weights=True, disable_bias_linear=True,
+                   norm_epsilon=1e-5, hidden_dropout=0.0, attention_dropout=0.0),
+    # Qwen3 (Qwen3ForCausalLM): RMSNorm over each query and key head, no QKV bias, head dimension 128 whatever the
+    # width; the sizes up to 4B tie their embeddings (SIZE_EXTRAS)
+    "qwen3": dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm", rotary_base=1000000,
+                  qk_layernorm=True, kv_channels=128, untie_embeddings_and_output_weights=True,
+                  disable_bias_linear=True, norm_epsilon=1e-6, hidden_dropout=0.0, attention_dropout=0.0),
     "mistral": dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm",
                     untie_embeddings_and_output_weights=True, disable_bias_linear=True, norm_epsilon=1e-5,
                     hidden_dropout=0.0, attention_dropout=0.0),
@@ -37,6 +49,13 @@ FAMILIES: Dict[str, Dict[str, object]] = {
                       norm_epsilon=1e-6, hidden_dropout=0.0, attention_dropout=0.0, moe_router_pre_softmax=True,
                       moe_layer_freq=1, moe_shared_expert_gate=True, moe_router_load_balancing_type="aux_loss",
                       moe_aux_loss_coeff=0.001),
+    # Qwen3-MoE (Qwen3MoeForCausalLM; 30B-A3B, 235B-A22B): Qwen3's attention, every MLP 128 experts top 8, no shared
+    # expert; the released models renormalise the top-k weights (norm_topk_prob true): megatron-core's default router
+    "qwen3_moe": dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm", rotary_base=1000000,
+                      qk_layernorm=True, kv_channels=128, untie_embeddings_and_output_weights=True,
+                      disable_bias_linear=True, norm_epsilon=1e-6, hidden_dropout=0.0, attention_dropout=0.0,
+                      moe_router_pre_softmax=False, moe_layer_freq=1, moe_router_load_balancing_type="aux_loss",
+                      moe_aux_loss_coeff=0.001),
 }
 
 # (num_layers, hidden_size, num_attention_heads, num_query_groups or None, ffn_hidden_size or None)
@@ -45,14 +64,33 @@ SIZES: Dict[str, Dict[str, tuple]] = {
             "760m": (24, 1536, 16, None, None), "1.3b": (24, 2048, 16, None, None), "2.7b": (32, 2560, 32, None, None)},
     "llama": {"tiny": (2, 128, 4, 2, 352), "1.3b": (24, 2048, 16, None, 5504), "7b": (32, 4096, 32, None, 11008),
               "13b": (40, 5120, 40, None, 13824), "8b": (32, 4096, 32, 8, 14336)},
+    "llama3": {"tiny": (2, 128, 4, 2, 352), "1b": (16, 2048, 32, 8, 8192), "3b": (28, 3072, 24, 8, 8192),
+               "8b": (32, 4096, 32, 8, 14336), "70b": (80, 8192, 64, 8, 28672), "405b": (126, 16384, 128, 8, 53248)},
+    # Qwen2.5 (and Qwen2: the same shapes at 0.5B, 1.5B, 7B, 72B)
     "qwen2": {"tiny": (2, 128, 4, 2, 352), "0.5b": (24, 896, 14, 2, 4864), "1.5b": (28, 1536, 12, 2, 8960),
-              "7b": (28, 3584, 28, 4, 18944)},
+              "3b": (36, 2048, 16, 2, 11008), "7b": (28, 3584, 28, 4, 18944), "14b": (48, 5120, 40, 8, 13824),
+              "32b": (64, 5120, 40, 8, 27648), "72b": (80, 8192, 64, 8, 29568)},
+    "qwen3": {"tiny": (2, 128, 4, 2, 352), "0.6b": (28, 1024, 16, 8, 3072), "1.7b": (28, 2048, 16, 8, 6144),
+              "4b": (36, 2560, 32, 8, 9728), "8b": (36, 4096, 32, 8, 12288), "14b": (40, 5120, 40, 8, 17408),
+              "32b": (64, 5120, 64, 8, 25600)},
     "mistral": {"tiny": (2, 128, 4, 2, 352), "7b": (32, 4096, 32, 8, 14336)},
     "bert": {"tiny": (2, 128, 4, None, None), "base": (12, 768, 12, None, None), "large": (24, 1024, 16, None, None)},
     # ffn: the experts' width (Mixtral has no dense MLP)
     "mixtral": {"tiny": (2, 128, 4, 2, 352), "8x7b": (32, 4096, 32, 8, 14336), "8x22b": (56, 6144, 48, 8, 16384)},
     # ffn: the dense MLP's width (layers without experts; Qwen2-MoE's intermediate_size)
     "qwen2_moe": {"tiny": (2, 128, 4, 2, 352), "a2.7b": (24, 2048, 16, None, 5632), "57b-a14b": (28, 3584, 28, 4, 18944)},
+    "qwen3_moe": {"tiny": (2, 128, 4, 2, 352), "30b-a3b": (48, 2048, 32, 4, 6144), "235b-a22b": (94, 4096, 64, 4, 12288)},
+}
+
+# What a size changes beyond its shape: tied embeddings of the small sizes, Llama 3.2's scaling, a tiny model's
+# head dimension (the family's real one, 128, would make a tiny model's attention 4 x 128 wide)
+SIZE_EXTRAS: Dict[str, Dict[str, Dict[str, object]]] = {
+    "llama3": {"1b": dict(untie_embeddings_and_output_weights=False, rope_scaling_factor=32.0),
+               "3b": dict(untie_embeddings_and_output_weights=False, rope_scaling_factor=32.0)},
+    "qwen2": {s: dict(untie_embeddings_and_output_weights=False) for s in ("0.5b", "1.5b", "3b")},
+    "qwen3": {"tiny": dict(kv_channels=48), **{s: dict(untie_embeddings_and_output_weights=False)
+                                                for s in ("0.6b", "1.7b", "4b")}},
+    "qwen3_moe": {"tiny": dict(kv_channels=48)},
 }
 
 # Experts of the MoE sizes: (experts, top-k, expert width or None for ffn, shared expert width or None)
@@ -60,6 +98,8 @@ MOE_SIZES: Dict[str, Dict[str, tuple]] = {
     "mixtral": {"tiny": (4, 2, None, None), "8x7b": (8, 2, None, None), "8x22b": (8, 2, None, None)},
     # Qwen1.5-MoE-A2.7B: 60 experts of 1408, top 4, shared 5632; Qwen2-57B-A14B: 64 of 2560, top 8, shared 20480
     "qwen2_moe": {"tiny": (4, 2, 96, 192), "a2.7b": (60, 4, 1408, 5632), "57b-a14b": (64, 8, 2560, 20480)},
+    # Qwen3-30B-A3B: 128 experts of 768, top 8; Qwen3-235B-A22B: 128 of 1536, top 8
+    "qwen3_moe": {"tiny": (8, 2, 96, None), "30b-a3b": (128, 8, 768, None), "235b-a22b": (128, 8, 1536, None)},
 }
 
 
@@ -82,9 +122,12 @@ def preset(family: str, size: str) -> Dict[str, object]:
             values.update(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=expert_ffn or ffn)
             if shared:
                 values["moe_shared_expert_intermediate_size"] = shared
+        values.update(SIZE_EXTRAS.get(family, {}).get(size, {}))
     elif family in MOE_SIZES:  # the family's experts without a size: the tiny one's, so that it builds
         experts, topk, expert_ffn, shared = MOE_SIZES[family]["tiny"]
         values.update(num_experts=experts, moe_router_topk=topk)
+        if shared or expert_ffn:
+            values["moe_ffn_hidden_size"] = expert_ffn
         if shared:
-            values.update(moe_ffn_hidden_size=expert_ffn, moe_shared_expert_intermediate_size=shared)
+            values["moe_shared_expert_intermediate_size"] = shared
     return values

@@ -8,7 +8,7 @@ the TP/PP layout (megatron_patch.models.partition cuts them to a rank's slice). 
 `decoder.layers.{i}.mlp.experts.local_experts.{e}.`).
 A rule can depend on an option of the model (`when`, a `When` predicate of the engine Config): tied or untied
 output layer, biases, learned position embeddings, LayerNorm (with bias) or RMSNorm, BERT's binary head, a
-shared expert; and on the kind
+shared expert, per-head query/key norms; and on the kind
 of layer (`layers`): "moe" for the layers with experts, "dense" for the others (a model may mix them).
 A rule can belong to an optional `part` of the model (BERT's MLM head, pooler, NSP head): a Hugging Face
 checkpoint without any tensor of the part is still converted, the part being initialised (and reported)
@@ -72,7 +72,9 @@ NORM_BIAS = When("norm_bias", lambda c: c.normalization == "LayerNorm")
 BINARY_HEAD = When("binary_head", lambda c: c.bert_binary_head)
 SHARED_EXPERT = When("shared_expert", _shared_expert)
 SHARED_EXPERT_GATE = When("shared_expert_gate", lambda c: _shared_expert(c) and c.moe_shared_expert_gate)
-OPTIONS = (UNTIED, BIAS, QKV_BIAS, LEARNED_POSITIONS, NORM_BIAS, BINARY_HEAD, SHARED_EXPERT, SHARED_EXPERT_GATE)
+QK_NORM = When("qk_norm", lambda c: c.qk_layernorm)
+OPTIONS = (UNTIED, BIAS, QKV_BIAS, LEARNED_POSITIONS, NORM_BIAS, BINARY_HEAD, SHARED_EXPERT, SHARED_EXPERT_GATE,
+           QK_NORM)
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from megatron_patch.config.config import Config  # the class, not the package (i
 from megatron_patch.config.rule import transformer_engine_available
 
 from .linear_cross_entropy import linear_cross_entropy
-from .norm import SequenceParallelNorm
+from .norm import HeadNorm, SequenceParallelNorm
 from .sdpa_attention import SDPAttention
 
 
@@ -59,6 +59,7 @@ def build_transformer_config(cfg: Config) -> TransformerConfig:
         gated_linear_unit=cfg.swiglu,
         activation_func=F.silu if cfg.swiglu else partial(F.gelu, approximate="tanh") if cfg.openai_gelu else F.gelu,
         kv_channels=cfg.kv_channels,
+        qk_layernorm=cfg.qk_layernorm,
         add_bias_linear=not cfg.disable_bias_linear,
         add_qkv_bias=cfg.add_qkv_bias or not cfg.disable_bias_linear,
         hidden_dropout=cfg.hidden_dropout,
@@ -139,10 +140,14 @@ def layer_spec(cfg: Config, moe: bool = False) -> ModuleSpec:
     if backend == "te":
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
 
-        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts)
-    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization=cfg.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=cfg.qk_layernorm)
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization=cfg.normalization,
+                                    qk_layernorm=cfg.qk_layernorm)
+    attention = spec.submodules.self_attention.submodules
     if backend == "sdpa":
-        spec.submodules.self_attention.submodules.core_attention = SDPAttention
+        attention.core_attention = SDPAttention
+    if cfg.qk_layernorm:  # megatron-core's local torch norm refuses sequence parallelism, which q/k norms never see
+        attention.q_layernorm = attention.k_layernorm = HeadNorm
     spec.submodules.input_layernorm = SequenceParallelNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
     return spec
@@ -239,8 +244,17 @@ def build_gpt_model(cfg: Config, vocab_size: int, pre_process: bool = True, post
         share_embeddings_and_output_weights=not cfg.untie_embeddings_and_output_weights,
         position_embedding_type=cfg.position_embedding_type,
         rotary_base=cfg.rotary_base,
+        rope_scaling=cfg.use_rope_scaling,
+        rope_scaling_factor=cfg.rope_scaling_factor,
         vp_stage=vp_stage,
     )
+    if cfg.use_rope_scaling:
+        from megatron_patch.compat.rope import llama3_rope_scaling
+
+        llama3_rope_scaling(model.rotary_pos_emb, base=cfg.rotary_base, factor=cfg.rope_scaling_factor,
+                            low_freq_factor=cfg.rope_scaling_low_freq_factor,
+                            high_freq_factor=cfg.rope_scaling_high_freq_factor,
+                            original_max_position_embeddings=cfg.rope_scaling_original_max_position_embeddings)
     if cfg.num_experts and not cfg.disable_bias_linear and cfg.sequence_parallel:
         from megatron_patch.compat.moe import expert_biases_not_sequence_parallel
 

@@ -23,3 +23,17 @@ class SequenceParallelNorm:
         for p in norm.parameters():
             p.sequence_parallel = bool(config.sequence_parallel)
         return norm
+
+
+class HeadNorm:
+    """Factory with WrappedTorchNorm's signature for the per-head query/key norms (`--qk-layernorm`): a torch
+    norm over one head's channels. They act after the QKV projection has gathered the sequence, so sequence
+    parallelism does not concern them; megatron-core's finalize_model_grads sums their gradients over the TP group
+    (each rank normalises its own heads with the shared weight)."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        if config.normalization == "LayerNorm":
+            return torch.nn.LayerNorm(hidden_size, eps=eps)
+        if config.normalization == "RMSNorm":
+            return torch.nn.RMSNorm(hidden_size, eps=eps)
+        raise ValueError(f"normalization {config.normalization!r}: choose LayerNorm or RMSNorm")

@@ -25,12 +25,14 @@ def for_model_type(model_type: str) -> Family:
 
 def for_engine(cfg) -> Family:
     """The family of an engine model (a Config or its dict): by --model-family, else by its architecture
-    (SwiGLU + RMSNorm + RoPE is a Llama; with experts: a shared expert makes it Qwen2-MoE, none Mixtral)."""
+    (SwiGLU + RMSNorm + RoPE is a Llama; with experts: a shared expert or q/k norms make it Qwen2/3-MoE, neither
+    Mixtral)."""
     g = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
     named = FAMILIES.for_engine_family(g("model_family"))
     if named is not None and named is not llama.FAMILY:  # a llama-named model with experts is one of the MoE families
         return named
     llama_like = g("swiglu") and g("normalization") == "RMSNorm"
     if g("num_experts") and llama_like:
-        return qwen2_moe.FAMILY if g("moe_shared_expert_intermediate_size") else mixtral.FAMILY
+        qwen = g("moe_shared_expert_intermediate_size") or g("qk_layernorm")
+        return qwen2_moe.FAMILY if qwen else mixtral.FAMILY
     return named or (llama.FAMILY if llama_like else gpt2.FAMILY)
