@@ -20,6 +20,11 @@ memory: what the processes really hold). Peaks are of the sums over the tree. A 
 "worker verify", or "tool" when no worker is alive) is told by the workers' command lines.
 
     python benchmarks/bench_convert.py [--layers 18] [--dtype bf16] [--skip-tp2] [--keep] [--workdir DIR]
+    python benchmarks/bench_convert.py --llama3-8b     # Llama-3-8B's shape and RoPE scaling, the 1-copy check
+
+--llama3-8b: 32 layers, hidden 4096, ffn 14336, 32 heads / 8 KV heads, vocab 128256, rope_type llama3 (8.03B
+parameters, 14.96 GiB in bf16); without the TP2 and --verify steps (fp32 twice would not fit 24 GiB), and the
+Hugging Face source is removed once converted (three copies would not fit this machine's free disk).
 
 The default shape is the DESIGN's Llama 1.3B one (hidden 2048, ffn 5504, 16 heads, vocab 32000) with
 18 layers instead of 24: 1.04B parameters (--layers 24 gives 1.345B). Temporary files are removed at
@@ -47,11 +52,14 @@ GiB = 2**30
 def llama_config(a) -> Dict:
     from transformers import LlamaConfig
 
+    rope = {"rope_type": "default", "rope_theta": 10000.0}
+    if a.llama3_8b:
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
     return LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=a.ffn, num_hidden_layers=a.layers,
                        num_attention_heads=a.heads, num_key_value_heads=a.kv_heads, max_position_embeddings=2048,
                        rms_norm_eps=1e-5, tie_word_embeddings=False, dtype={"bf16": "bfloat16", "fp32": "float32"}[a.dtype],
-                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
-                       architectures=["LlamaForCausalLM"]).to_dict()
+                       rope_parameters=rope, architectures=["LlamaForCausalLM"]).to_dict()
 
 
 def tensor_shapes(a) -> List:
@@ -208,8 +216,12 @@ def main() -> None:
     p.add_argument("--keep", action="store_true", help="keep the work directory")
     p.add_argument("--workdir", help="where to write (default: a new temporary directory)")
     p.add_argument("--json", help="also write the results to this JSON file")
+    p.add_argument("--llama3-8b", action="store_true", help="Llama-3-8B's shape (module docstring)")
     p.add_argument("--_create", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.llama3_8b:
+        a.layers, a.hidden, a.ffn, a.heads, a.kv_heads, a.vocab = 32, 4096, 14336, 32, 8, 128256
+        a.skip_tp2 = a.skip_verify = True
     if a._create:
         create(a, a._create)
         return
@@ -223,7 +235,8 @@ def main() -> None:
           flush=True)
     tool = [sys.executable, os.path.join(ROOT, "tools", "convert_checkpoint.py")]
     shape = ["--layers", str(a.layers), "--hidden", str(a.hidden), "--ffn", str(a.ffn), "--heads", str(a.heads),
-             "--kv-heads", str(a.kv_heads), "--vocab", str(a.vocab), "--dtype", a.dtype]
+             "--kv-heads", str(a.kv_heads), "--vocab", str(a.vocab), "--dtype", a.dtype,
+             *(["--llama3-8b"] if a.llama3_8b else [])]
     hf, logs = os.path.join(work, "hf"), os.path.join(work, "logs")
     os.makedirs(logs, exist_ok=True)
     results = []
@@ -250,6 +263,8 @@ def main() -> None:
             steps.append(("mcore2hf (from TP1) --verify",
                           ["--direction", "mcore2hf", "--load-dir", "ck_tp1", "--save-dir", "hf_outv", "--verify"]))
         for name, args in steps:
+            if a.llama3_8b and args[1] == "mcore2hf":  # disk: the source is read by no later step
+                shutil.rmtree(hf, ignore_errors=True)
             args = [os.path.join(work, x) if x.startswith(("ck_", "hf_")) else x for x in args]
             r = measure(name, tool + args, os.path.join(logs, name.replace(" ", "_").replace("-", "") + ".log"))
             out = args[args.index("--save-dir") + 1]

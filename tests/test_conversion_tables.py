@@ -53,7 +53,8 @@ def _hf_model(model_type, **kw):
     import transformers
 
     cls = {"gpt2": ("GPT2Config", "GPT2LMHeadModel"), "llama": ("LlamaConfig", "LlamaForCausalLM"),
-           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM")}[model_type]
+           "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+           "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}[model_type]
     config = getattr(transformers, cls[0])(**kw)
     return config, getattr(transformers, cls[1])(config)
 
@@ -64,7 +65,9 @@ SMALL = {"gpt2": dict(n_layer=2, n_embd=32, n_head=4, n_positions=64, vocab_size
          "qwen2": dict(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
                        num_key_value_heads=2, vocab_size=101, max_position_embeddings=64, tie_word_embeddings=True),
          "mistral": dict(num_hidden_layers=2, hidden_size=32, intermediate_size=48, num_attention_heads=4,
-                         num_key_value_heads=1, vocab_size=101, max_position_embeddings=64)}
+                         num_key_value_heads=1, vocab_size=101, max_position_embeddings=64),
+         "qwen3": dict(num_hidden_layers=2, hidden_size=32, head_dim=16, intermediate_size=48, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=101, max_position_embeddings=64)}
 
 
 @pytest.mark.parametrize("model_type", list(SMALL))

@@ -1,10 +1,13 @@
 """Each --tokenizer-type gives the ids of the matching Hugging Face fast tokenizer on real text."""
+import json
 import os
 import re
 import shutil
 
 import pytest
 
+from conftest import run_tool
+from megatron_patch.data.indexed_dataset import IndexedDataset
 from megatron_patch.data.tokenizers import TokenizerError, build_tokenizer
 from megatron_patch.data.tokenizers.python_bpe import PythonBPE
 
@@ -185,3 +188,43 @@ def test_wrong_kind_of_file_names_flag_file_and_fix(gpt2_files, spm_model, minil
     message = str(err.value)
     assert message.startswith(f"{flag} {path}"), message
     assert re.search(match, message), message
+
+
+@pytest.fixture(scope="session")
+def hf_style_tokenizers(corpus, workdir):
+    """style -> a Hugging Face tokenizer directory trained here in Llama 3's and Qwen's style."""
+    from megatron_patch.data.train_tokenizer import train
+
+    out = {}
+    for style in ("llama3", "qwen"):
+        train(style, [corpus], str(workdir / f"tok_{style}"), 3000, style)
+        out[style] = str(workdir / f"tok_{style}")
+    return out
+
+
+@pytest.mark.parametrize("style,eod", [("llama3", "<|end_of_text|>"), ("qwen", "<|endoftext|>")])
+def test_model_directory_tokenizer_gives_transformers_ids_and_its_end_of_text(style, eod, hf_style_tokenizers, corpus,
+                                                                             texts, tmp_path):
+    """tools/preprocess_data.py --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR with a Llama 3-style
+    (tiktoken split, digits in threes, BOS) and a Qwen-style (digits one by one, no BOS) tokenizer.json: every
+    document is transformers' ids of it, without BOS, followed by the model's end-of-text token."""
+    from transformers import AutoTokenizer
+
+    d = hf_style_tokenizers[style]
+    hf = AutoTokenizer.from_pretrained(d)
+    samples = ["Numbers 1234567 and 42.", "  two  spaces\n\nand lines", "it's we'll THEY'RE", "ünïcödé ≠ ascii 🙂"]
+    digits = hf("1234567", add_special_tokens=False)["input_ids"]
+    assert len(digits) == (3 if style == "llama3" else 7), hf.convert_ids_to_tokens(digits)  # the styles' digit rule
+    src = tmp_path / "docs.jsonl"
+    docs = samples + texts[:300]
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in docs))
+    run_tool("preprocess_data.py", "--input", str(src), "--output-prefix", str(tmp_path / "o"), "--tokenizer-type",
+             "HuggingFaceTokenizer", "--tokenizer-model", d, "--append-eod", "--workers", "2")
+    ds = IndexedDataset(str(tmp_path / "o_text_document"))
+    assert ds.num_documents == len(docs)
+    end = hf.convert_tokens_to_ids(eod)
+    assert hf.eos_token_id == end
+    for i, text in enumerate(docs):
+        want = hf(text, add_special_tokens=False)["input_ids"] + [end]
+        assert ds[i].tolist() == want, (i, text[:60])
+        assert hf.decode(ds[i].tolist()[:-1]) == text

@@ -41,6 +41,14 @@ WARNINGS: List[Known] = [  # warnings.warn(...): source = the module that warns 
           r"When using sequence parallelism it is recommended to set the environment variable "
           r"CUDA_DEVICE_MAX_CONNECTIONS", "cpu rank0",
           "a speed hint for GPUs (the overlap of TP communication), the same on every rank; meaningless on the CPU"),
+    Known(r"megatron\.core\.tensor_parallel\.layers",
+          r"When using async grad allreduce it is recommended to set the environment variable "
+          r"CUDA_DEVICE_MAX_CONNECTIONS", "cpu rank0",
+          "the same speed hint, said by every TP rank's linears without sequence parallelism; meaningless on the CPU"),
+    Known(r"megatron\.core\.datasets\.megatron_dataset", r"The pad token id in the tokenizer collides with another "
+          r"special token id", "rank0",
+          "said by every rank's dataset when the tokenizer pads with its end-of-text token (Qwen's and GPT-2's do): "
+          "megatron-core then masks no pad token out of the loss, which is right for packed documents that fill every sample"),
     Known(r"megatron\.core(\.|$)", r"(Transformer Engine and Apex are|Apex is) not installed\. Falling back to",
           "ignore", "megatron-core announces its torch fallbacks at import; the run's own log names what it uses"),
     Known(r"megatron\.core\.hyper_comm_grid", r"absl\.logging is not installed", "ignore",

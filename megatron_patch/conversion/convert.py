@@ -305,7 +305,8 @@ def _write_export(a: argparse.Namespace, reader, cfg, family: "Family", info: di
     dtype = getattr(torch, DTYPES[name])
     hf_config.pop("torch_dtype", None)
     hf_config["dtype"] = DTYPES[name]
-    print(f"mcore2hf: {reader.path} (iteration {reader.manifest['iteration']}, {family.name}, layout "
+    print(f"mcore2hf: {reader.path} (iteration {reader.manifest['iteration']}, "
+          f"{hf_config.get('model_type') or family.name}, layout "
           f"{reader.manifest['layout']}) -> {a.save_dir} ({name})", flush=True)
     t0 = time.time()
     check = ExportChecker(hf_config, f"{reader.path} -> {a.save_dir}")

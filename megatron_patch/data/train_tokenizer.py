@@ -4,6 +4,12 @@
                         (load with --tokenizer-type GPT2BPETokenizer)
   --type sentencepiece  {prefix}.model (load with --tokenizer-type SentencePieceTokenizer)
   --type wordpiece      {prefix}-vocab.txt, BERT style (load with --tokenizer-type BertWordPieceLowerCase)
+  --type llama3         a Hugging Face tokenizer directory (tokenizer.json, tokenizer_config.json) in Llama 3's style:
+                        byte-level BPE after its tiktoken split pattern (digits in groups of up to 3),
+                        <|begin_of_text|> as BOS and <|end_of_text|> as EOS (the document separator)
+  --type qwen           the same in Qwen2/2.5/3's style: digits one by one, <|endoftext|> as EOS and padding, no BOS,
+                        <|im_start|>/<|im_end|> and a ChatML chat template
+                        (load either with --tokenizer-type HuggingFaceTokenizer --tokenizer-model DIR)
 
 Input: JSONL files (the --json-key field of each line) or plain text files (one document per line).
 """
@@ -62,12 +68,56 @@ def train(kind: str, inputs: List[str], output_dir: str, vocab_size: int, prefix
             max_sentence_length=1 << 20,
         )
         return [model_prefix + ".model", model_prefix + ".vocab"]
-    raise ValueError(f"--type {kind!r}: choose gpt2, sentencepiece or wordpiece")
+    if kind in HF_STYLES:
+        return _train_hf_style(kind, texts, output_dir, vocab_size)
+    raise ValueError(f"--type {kind!r}: choose {', '.join(KINDS)}")
+
+
+# The split patterns of Llama 3's and Qwen2's tokenizer.json (public): they differ in how digits group
+_LETTERS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|"
+_REST = r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+HF_STYLES = {
+    "llama3": dict(pattern=_LETTERS + r"\p{N}{1,3}" + _REST, bos="<|begin_of_text|>", eos="<|end_of_text|>",
+                   specials=["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                             "<|eot_id|>"], pad=None, chat_template=None),
+    "qwen": dict(pattern=_LETTERS + r"\p{N}" + _REST, bos=None, eos="<|endoftext|>",
+                 specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"], pad="<|endoftext|>",
+                 chat_template="{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                               "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"),
+}
+KINDS = ("gpt2", "sentencepiece", "wordpiece", *HF_STYLES)
+
+
+def _train_hf_style(kind: str, texts: Iterator[str], output_dir: str, vocab_size: int) -> List[str]:
+    """A byte-level BPE in the style of `kind` (HF_STYLES), saved as a Hugging Face tokenizer directory."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    style = HF_STYLES[kind]
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(style["pattern"]), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(
+        vocab_size=vocab_size, min_frequency=2, special_tokens=style["specials"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    if style["bos"]:  # Llama 3 puts BOS before every encoded text (add_special_tokens=True)
+        bos = style["bos"]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
+    else:
+        tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=style["bos"], eos_token=style["eos"],
+                                   pad_token=style["pad"], clean_up_tokenization_spaces=False)
+    if style["chat_template"]:
+        fast.chat_template = style["chat_template"]
+    return [f for f in fast.save_pretrained(output_dir) if os.path.isfile(f)]
 
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--type", required=True, choices=["gpt2", "sentencepiece", "wordpiece"])
+    p.add_argument("--type", required=True, choices=KINDS)
     p.add_argument("--input", required=True, nargs="+", help="JSONL or text files")
     p.add_argument("--json-key", default="text")
     p.add_argument("--output-dir", required=True)

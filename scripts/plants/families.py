@@ -1,0 +1,72 @@
+"""Plants for today's model families (issue 29): each breaks one property; the listed default-lane tests must fail."""
+TODAY = "tests/test_conversion_today.py"
+CLI = f"{TODAY}::test_each_family_converts_verifies_and_comes_back_bit_for_bit"
+
+PLANTS = [
+    dict(name="rope-scaling-factor-wrong", file="megatron_patch/models/gpt.py",
+         original="        llama3_rope_scaling(model.rotary_pos_emb, base=cfg.rotary_base, factor=cfg.rope_scaling_factor,",
+         replacement="        llama3_rope_scaling(model.rotary_pos_emb, base=cfg.rotary_base, factor=2 * cfg.rope_scaling_factor,",
+         property="the engine scales RoPE by the model's own Llama 3.x factor (here: twice it)",
+         tests=[f"{CLI}[llama3]"]),
+    dict(name="rope-bounds-megatron-defaults", file="megatron_patch/models/gpt.py",
+         original="    if cfg.use_rope_scaling:\n",
+         replacement="    if False:  # megatron-core's hard-coded low/high frequency factors and original context\n",
+         property="a Llama 3.x model's low/high frequency factors and original context are honoured, not megatron-core's "
+                  "hard-coded 1, 4 and 8192",
+         tests=[f"{CLI}[llama3]"]),
+    dict(name="rope-bounds-swapped-on-import", file="megatron_patch/conversion/tables/llama.py",
+         original='LLAMA3_ROPE = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_low_freq_factor",\n'
+                  '               "high_freq_factor": "rope_scaling_high_freq_factor",',
+         replacement='LLAMA3_ROPE = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_scaling_high_freq_factor",\n'
+                     '               "high_freq_factor": "rope_scaling_low_freq_factor",',
+         property="each of config.json's llama3 RoPE parameters reaches its own engine field",
+         tests=[f"{TODAY}::test_llama3_scaling_reaches_the_engine_with_its_own_values", f"{CLI}[llama3]"]),
+    dict(name="rope-scaling-type-ignored", file="megatron_patch/conversion/tables/llama.py",
+         original='    args = dict(rotary_base=float(p["rope_theta"]), use_rope_scaling=kind == "llama3")',
+         replacement='    args = dict(rotary_base=float(p["rope_theta"]), use_rope_scaling=False)',
+         property="a Llama 3.1-3.3 config.json's RoPE scaling is applied, not silently dropped",
+         tests=[f"{TODAY}::test_llama3_scaling_reaches_the_engine_with_its_own_values", f"{CLI}[llama3]"]),
+    dict(name="qk-norms-swapped", file="megatron_patch/conversion/tables/llama.py",
+         original='    Rule(L + "self_attention.q_layernorm.weight", (H + "self_attn.q_norm.weight",), when=QK_NORM),\n'
+                  '    Rule(L + "self_attention.k_layernorm.weight", (H + "self_attn.k_norm.weight",), when=QK_NORM),',
+         replacement='    Rule(L + "self_attention.q_layernorm.weight", (H + "self_attn.k_norm.weight",), when=QK_NORM),\n'
+                     '    Rule(L + "self_attention.k_layernorm.weight", (H + "self_attn.q_norm.weight",), when=QK_NORM),',
+         property="Qwen3's query norm converts to the query norm and its key norm to the key norm",
+         tests=[f"{CLI}[qwen3]", f"{CLI}[qwen3_moe]"]),
+    dict(name="qk-norm-off", file="megatron_patch/models/gpt.py",
+         original="        qk_layernorm=cfg.qk_layernorm,\n",
+         replacement="        qk_layernorm=False,\n",
+         property="the engine builds Qwen3's per-head query/key norms (--qk-layernorm)",
+         tests=[f"{CLI}[qwen3]"]),
+    dict(name="qwen3-moe-norm-topk-ignored", file="megatron_patch/conversion/tables/qwen2_moe.py",
+         original='                moe_router_pre_softmax=not c.get("norm_topk_prob", False),',
+         replacement='                moe_router_pre_softmax=True,',
+         property="Qwen3-MoE's norm_topk_prob (renormalised top-k weights) is read from config.json",
+         tests=[f"{CLI}[qwen3_moe]"]),
+    dict(name="qwen3-presets-untied", file="megatron_patch/config/presets.py",
+         original='    "qwen3": {"tiny": dict(kv_channels=48), **{s: dict(untie_embeddings_and_output_weights=False)',
+         replacement='    "qwen3": {"tiny": dict(kv_channels=48), **{s: dict(untie_embeddings_and_output_weights=True)',
+         property="the Qwen3 presets are the released shapes (the small sizes tie their embeddings)",
+         tests=[f"{TODAY}::test_a_real_config_json_is_accepted_and_is_its_preset"]),
+    dict(name="qwen2-shared-expert-dropped", file="megatron_patch/conversion/tables/qwen2_moe.py",
+         original="        args.update(add_qkv_bias=bool(c.get(\"qkv_bias\", True)), moe_shared_expert_intermediate_size=shared,",
+         replacement="        args.update(add_qkv_bias=bool(c.get(\"qkv_bias\", True)), moe_shared_expert_intermediate_size=None,",
+         property="a Qwen2-MoE's shared expert is converted, not dropped",
+         tests=["tests/test_conversion_moe.py::test_round_trip_verifies_and_reproduces_every_tensor[qwen2_moe-ep2]"]),
+]
+PLANTS += [
+    dict(name="qk-norm-grads-averaged-over-tp", file="megatron_patch/models/norm.py",
+         original='        if config.normalization == "RMSNorm":\n            return torch.nn.RMSNorm(hidden_size, eps=eps)\n'
+                  '        raise ValueError(f"normalization {config.normalization!r}: choose LayerNorm or RMSNorm")',
+         replacement='        if config.normalization == "RMSNorm":\n            norm = torch.nn.RMSNorm(hidden_size, eps=eps)\n'
+                     '            norm.weight.average_gradients_across_tp_domain = True\n            return norm\n'
+                     '        raise ValueError(f"normalization {config.normalization!r}: choose LayerNorm or RMSNorm")',
+         property="the per-head q/k norms' gradients are summed over the TP group (each rank's heads contribute), not "
+                  "averaged",
+         tests=["tests/test_families_engine.py::test_qwen3_at_tp2_with_sequence_parallelism_trains_like_one_process"]),
+    dict(name="tokenizer-style-digits", file="megatron_patch/data/train_tokenizer.py",
+         original='    "llama3": dict(pattern=_LETTERS + r"\\p{N}{1,3}" + _REST,',
+         replacement='    "llama3": dict(pattern=_LETTERS + r"\\p{N}" + _REST,',
+         property="the Llama 3-style tokenizer splits digits in groups of up to three, as Llama 3's tokenizer.json",
+         tests=["tests/test_tokenizers.py::test_model_directory_tokenizer_gives_transformers_ids_and_its_end_of_text"]),
+]

@@ -1,0 +1,70 @@
+"""Today's families in the engine (issue 29): they train, and their parallel layouts train like one process.
+
+Qwen3's per-head query/key norms are the new parallel-sensitive part: their weights are shared by every head,
+and each tensor-parallel rank normalises its own heads, so their gradients must be summed over the TP group
+(megatron-core's finalize_model_grads does it for `qk_layernorm` models; our HeadNorm leaves them unmarked for
+sequence parallelism, whose scatter they never see). A tiny Qwen3 (GQA 4 heads / 2 groups, head dimension 24 !=
+64 / 4, --init-layout-invariant) at TP2 with sequence parallelism: the same losses, gradient norms (1e-5) and
+weights after 5 steps as on one process, in the scale-sensitive setting where a wrong gradient scale reaches the
+weights. The slow lane adds Llama 3.x (RoPE scaling) at TP2 x PP2 and Qwen3-MoE at EP2 against EP1.
+"""
+import os
+
+import pytest
+import torch
+
+from engine_utils import full_weights, per_iteration, run_engine, train_losses
+
+QWEN3 = ["--model-family", "qwen3", "--num-query-groups", "2", "--kv-channels", "24", "--clip-grad", "0",
+         "--adam-eps", "1", "--lr", "0.1"]
+LLAMA3 = ["--model-family", "llama3", "--num-query-groups", "2", "--rope-scaling-low-freq-factor", "2",
+          "--rope-scaling-original-max-position-embeddings", "16", "--max-position-embeddings", "64"]
+QWEN3_MOE = ["--model-family", "qwen3_moe", "--num-query-groups", "2", "--kv-channels", "24", "--num-experts", "4",
+             "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48", "--moe-aux-loss-coeff", "0.01"]
+
+
+def _trains_like(reference, run, what: str, weights: bool = True) -> None:
+    (ref_lines, ref_ck), (lines, ck) = reference, run
+    losses, ref_losses = train_losses(lines), train_losses(ref_lines)
+    assert len(losses) == len(ref_losses) == 5, what
+    assert ref_losses[-1] < ref_losses[0], (what, ref_losses)  # it learns
+    assert losses == pytest.approx(ref_losses, rel=1e-5), what
+    assert per_iteration(lines, "grad_norm") == pytest.approx(per_iteration(ref_lines, "grad_norm"), rel=1e-5), what
+    if weights:
+        ref_w, w = (_model_weights(os.path.join(c, "iter_0000005")) for c in (ref_ck, ck))
+        assert set(w) == set(ref_w)
+        assert any("q_layernorm" in k for k in w) == ("qwen3" in what)
+        for k, ref in ref_w.items():
+            torch.testing.assert_close(w[k], ref, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{what} {k}: {m}")
+
+
+def _model_weights(checkpoint: str) -> dict:
+    """The model's weights (an EP run's optimizer state is stored chained, under other names)."""
+    return {k: v for k, v in full_weights(checkpoint).items() if "optimizer" not in k}
+
+
+def _run(tmp_path, name: str, nproc: int, *args: str):
+    ck = str(tmp_path / name / "ckpt")
+    lines, _ = run_engine(tmp_path / name, nproc, *args, "--save", ck)
+    return lines, ck
+
+
+def test_qwen3_at_tp2_with_sequence_parallelism_trains_like_one_process(tmp_path):
+    reference = _run(tmp_path, "tp1", 1, *QWEN3)
+    run = _run(tmp_path, "tp2_sp", 2, *QWEN3, "--tensor-model-parallel-size", "2", "--sequence-parallel")
+    _trains_like(reference, run, "qwen3 TP2 SP")
+
+
+@pytest.mark.slow
+def test_llama3_at_tp2_pp2_trains_like_one_process(tmp_path):
+    reference = _run(tmp_path, "one", 1, *LLAMA3)
+    run = _run(tmp_path, "tp2_pp2", 4, *LLAMA3, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size",
+               "2")
+    _trains_like(reference, run, "llama3 TP2 PP2")
+
+
+@pytest.mark.slow
+def test_qwen3_moe_at_ep2_trains_like_ep1(tmp_path):
+    reference = _run(tmp_path, "ep1", 2, *QWEN3_MOE)
+    run = _run(tmp_path, "ep2", 2, *QWEN3_MOE, "--expert-model-parallel-size", "2")
+    _trains_like(reference, run, "qwen3_moe EP2")
