@@ -85,6 +85,16 @@ MOE_FAMILIES = {
         num_hidden_layers=2, hidden_size=64, head_dim=24, intermediate_size=96, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, num_experts=4, num_experts_per_tok=2,
         moe_intermediate_size=48, mlp_only_layers=[1], norm_topk_prob=True), router_std=0.25),
+    # DeepSeek-V2 shape: multi-latent attention (queries from the hidden state, a 32-rank kv latent, 16 + 8 RoPE
+    # query/key channels, 24 value channels), YaRN x4 over 32 positions with mscale/mscale_all_dim, the first layer
+    # dense, 4 routed experts top 2 scaled by 1.5 and one shared expert
+    "deepseek_v2": Family("DeepseekV2Config", "DeepseekV2ForCausalLM", dict(
+        num_hidden_layers=2, hidden_size=64, intermediate_size=96, num_attention_heads=4, num_key_value_heads=4,
+        max_position_embeddings=128, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=24, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=48,
+        first_k_dense_replace=1, routed_scaling_factor=1.5, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                         "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.8, "mscale_all_dim": 0.6}), router_std=0.25),
 }
 
 

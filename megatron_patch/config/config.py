@@ -46,7 +46,23 @@ class ModelConfig:
     rope_scaling_low_freq_factor: float = 1.0
     rope_scaling_high_freq_factor: float = 4.0
     rope_scaling_original_max_position_embeddings: int = 8192
-    qk_layernorm: bool = False  # a norm over each query and key head (Qwen3), before RoPE
+    qk_layernorm: bool = False  # a norm over each query and key head (Qwen3), before RoPE; MLA: its latent norms
+    # Multi-latent attention (DeepSeek-V2/V3; megatron-core's MLASelfAttention): queries from the hidden state or a
+    # rank-q_lora_rank latent, keys and values from one shared rank-kv_lora_rank latent, plus a RoPE part of
+    # qk_pos_emb_head_dim shared by the heads; qk_head_dim is each head's part without RoPE
+    multi_latent_attention: bool = False
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 512
+    qk_head_dim: int = 128
+    qk_pos_emb_head_dim: int = 64
+    v_head_dim: int = 128
+    rope_type: str = "rope"  # MLA's RoPE: rope | yarn (YaRN's frequencies and softmax scaling, the fields below)
+    rotary_scaling_factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
     swiglu: bool = False
     openai_gelu: bool = False  # tanh-approximated GELU (GPT-2's gelu_new) instead of the exact one
     kv_channels: Optional[int] = None  # attention head dimension; default hidden_size / num_attention_heads
@@ -85,6 +101,7 @@ class MoEConfig:
     moe_aux_loss_coeff: float = 0.0
     moe_z_loss_coeff: Optional[float] = None
     moe_router_pre_softmax: bool = False
+    moe_router_topk_scaling_factor: Optional[float] = None  # the routed experts' weights times this (DeepSeek)
     moe_token_dispatcher_type: str = "alltoall"  # alltoall | allgather
     moe_expert_capacity_factor: Optional[float] = None
     moe_pad_expert_input_to_capacity: bool = False

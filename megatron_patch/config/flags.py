@@ -204,7 +204,8 @@ FLAGS: Tuple[Flag, ...] = (
         _f("--pretrained-model-name-or-path", str, FRONT, "a local Hugging Face model directory (or a name already in "
            "the local cache: nothing is downloaded)"),
         _f("--model-family", str, ENGINE, "architecture preset: gpt (GPT-2), llama, llama3 (3.1-3.3), "
-           "qwen2 (and Qwen2.5), qwen3, mistral, mixtral, qwen2_moe, qwen3_moe; bert (pretrain_megatron_bert.py)", choices=tuple(FAMILIES)),
+           "qwen2 (and Qwen2.5), qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, deepseek_v2; bert "
+           "(pretrain_megatron_bert.py)", choices=tuple(FAMILIES)),
         _f("--model-size", str, ENGINE, "size preset of the family: "
            + "; ".join(f"{f}: {', '.join(s)}" for f, s in SIZES.items())),
         _f("--num-layers", int, ALL, "transformer layers", front=SHAPE),
@@ -228,7 +229,23 @@ FLAGS: Tuple[Flag, ...] = (
         _f("--rope-scaling-high-freq-factor", float, ENGINE, "Llama 3.x RoPE scaling: high_freq_factor"),
         _f("--rope-scaling-original-max-position-embeddings", int, ENGINE, "Llama 3.x RoPE scaling: the context "
            "the model was first trained at (original_max_position_embeddings)"),
-        _f("--qk-layernorm", STORE_TRUE, ENGINE, "normalise each query and key head before RoPE (Qwen3)"),
+        _f("--qk-layernorm", STORE_TRUE, ENGINE, "normalise each query and key head before RoPE (Qwen3); with "
+           "--multi-latent-attention: normalise the query and key/value latents (DeepSeek)"),
+        _f("--multi-latent-attention", STORE_TRUE, ENGINE, "multi-latent attention (DeepSeek-V2/V3)"),
+        _f("--q-lora-rank", int, ENGINE, "MLA: rank of the query latent (default: queries straight from the hidden "
+           "state)"),
+        _f("--kv-lora-rank", int, ENGINE, "MLA: rank of the shared key/value latent"),
+        _f("--qk-head-dim", int, ENGINE, "MLA: each head's query/key channels without RoPE"),
+        _f("--qk-pos-emb-head-dim", int, ENGINE, "MLA: the query/key channels RoPE rotates (shared key part)"),
+        _f("--v-head-dim", int, ENGINE, "MLA: each head's value channels"),
+        _f("--rope-type", str, ENGINE, "MLA's RoPE: rope, or yarn (YaRN's frequencies and softmax scaling)",
+           choices=("rope", "yarn")),
+        _f("--rotary-scaling-factor", float, ENGINE, "YaRN: the context extension factor"),
+        _f("--original-max-position-embeddings", int, ENGINE, "YaRN: the context the model was first trained at"),
+        _f("--beta-fast", float, ENGINE, "YaRN: beta_fast"),
+        _f("--beta-slow", float, ENGINE, "YaRN: beta_slow"),
+        _f("--mscale", float, ENGINE, "YaRN: mscale (the attention's scale on the rotated channels)"),
+        _f("--mscale-all-dim", float, ENGINE, "YaRN: mscale_all_dim (the softmax scale)"),
         _f("--norm-epsilon", float, ENGINE, "epsilon of LayerNorm/RMSNorm"),
         # Not given (None, the three below): the Hugging Face model's config keeps its own dropout and init std
         _f("--hidden-dropout", float, ALL, "dropout of the hidden states",
@@ -283,6 +300,8 @@ FLAGS: Tuple[Flag, ...] = (
         _f("--moe-token-drop-policy", str, ENGINE, "which tokens an expert over its capacity drops",
            choices=("probs", "position")),
         _f("--moe-router-pre-softmax", STORE_TRUE, ENGINE, "the router's softmax over all experts, before the top-k"),
+        _f("--moe-router-topk-scaling-factor", float, ENGINE, "multiply the routed experts' weights by this "
+           "(DeepSeek's routed_scaling_factor)"),
         _f("--moe-pad-expert-input-to-capacity", STORE_TRUE, ENGINE, "pad each expert's tokens to its capacity"),
         _f("--moe-per-layer-logging", STORE_TRUE, ENGINE, "log the routing losses of every MoE layer"),
         _f("--moe-shared-expert-gate", STORE_TRUE, ENGINE, "scale the shared expert's output by a sigmoid gate "

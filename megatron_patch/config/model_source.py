@@ -15,10 +15,13 @@ ARCHITECTURE = ("model_family", "num_layers", "hidden_size", "num_attention_head
                 "normalization", "norm_epsilon", "swiglu", "openai_gelu", "untie_embeddings_and_output_weights",
                 "disable_bias_linear", "add_qkv_bias", "qk_layernorm", "use_rope_scaling", "rope_scaling_factor",
                 "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
-                "rope_scaling_original_max_position_embeddings", "model_vocab_size", "padded_vocab_size", "bert_binary_head",
+                "rope_scaling_original_max_position_embeddings", "multi_latent_attention", "q_lora_rank",
+                "kv_lora_rank", "qk_head_dim", "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor",
+                "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+                "model_vocab_size", "padded_vocab_size", "bert_binary_head",
                 # mixture of experts: which layers have experts, how many, their width and routing
                 "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_pre_softmax",
-                "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+                "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 FLAG = {"untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
         "bert_binary_head": "--bert-no-binary-head"}
 

@@ -56,6 +56,17 @@ FAMILIES: Dict[str, Dict[str, object]] = {
                       disable_bias_linear=True, norm_epsilon=1e-6, hidden_dropout=0.0, attention_dropout=0.0,
                       moe_router_pre_softmax=False, moe_layer_freq=1, moe_router_load_balancing_type="aux_loss",
                       moe_aux_loss_coeff=0.001),
+    # DeepSeek-V2 (DeepseekV2ForCausalLM; the Lite shape): multi-latent attention (queries from the hidden state,
+    # a 512-rank key/value latent, 128 + 64 RoPE query/key channels, 128 value channels, YaRN x40 over 4k), the first
+    # layer dense, then 64 routed experts top 6 (softmax, no renormalisation) and 2 shared experts
+    "deepseek_v2": dict(position_embedding_type="rope", swiglu=True, normalization="RMSNorm", rotary_base=10000,
+                        multi_latent_attention=True, qk_layernorm=True, kv_lora_rank=512, qk_head_dim=128,
+                        qk_pos_emb_head_dim=64, v_head_dim=128, rope_type="yarn", rotary_scaling_factor=40.0,
+                        original_max_position_embeddings=4096, beta_fast=32.0, beta_slow=1.0, mscale=0.707,
+                        mscale_all_dim=0.707, max_position_embeddings=163840, untie_embeddings_and_output_weights=True,
+                        disable_bias_linear=True, norm_epsilon=1e-6, hidden_dropout=0.0, attention_dropout=0.0,
+                        moe_router_pre_softmax=True, moe_router_topk_scaling_factor=1.0,
+                        moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.001),
 }
 
 # (num_layers, hidden_size, num_attention_heads, num_query_groups or None, ffn_hidden_size or None)
@@ -80,6 +91,8 @@ SIZES: Dict[str, Dict[str, tuple]] = {
     # ffn: the dense MLP's width (layers without experts; Qwen2-MoE's intermediate_size)
     "qwen2_moe": {"tiny": (2, 128, 4, 2, 352), "a2.7b": (24, 2048, 16, None, 5632), "57b-a14b": (28, 3584, 28, 4, 18944)},
     "qwen3_moe": {"tiny": (2, 128, 4, 2, 352), "30b-a3b": (48, 2048, 32, 4, 6144), "235b-a22b": (94, 4096, 64, 4, 12288)},
+    # ffn: the dense layers' width
+    "deepseek_v2": {"tiny": (2, 128, 4, None, 352), "lite": (27, 2048, 16, None, 10944)},
 }
 
 # What a size changes beyond its shape: tied embeddings of the small sizes, Llama 3.2's scaling, a tiny model's
@@ -91,6 +104,10 @@ SIZE_EXTRAS: Dict[str, Dict[str, Dict[str, object]]] = {
     "qwen3": {"tiny": dict(kv_channels=48), **{s: dict(untie_embeddings_and_output_weights=False)
                                                 for s in ("0.6b", "1.7b", "4b")}},
     "qwen3_moe": {"tiny": dict(kv_channels=48)},
+    "deepseek_v2": {"tiny": dict(moe_layer_freq=[0, 1], kv_lora_rank=32, qk_head_dim=16, qk_pos_emb_head_dim=8,
+                                 v_head_dim=24, original_max_position_embeddings=64, rotary_scaling_factor=4.0,
+                                 max_position_embeddings=1024),
+                    "lite": dict(moe_layer_freq=[0] + [1] * 26)},
 }
 
 # Experts of the MoE sizes: (experts, top-k, expert width or None for ffn, shared expert width or None)
@@ -100,6 +117,8 @@ MOE_SIZES: Dict[str, Dict[str, tuple]] = {
     "qwen2_moe": {"tiny": (4, 2, 96, 192), "a2.7b": (60, 4, 1408, 5632), "57b-a14b": (64, 8, 2560, 20480)},
     # Qwen3-30B-A3B: 128 experts of 768, top 8; Qwen3-235B-A22B: 128 of 1536, top 8
     "qwen3_moe": {"tiny": (8, 2, 96, None), "30b-a3b": (128, 8, 768, None), "235b-a22b": (128, 8, 1536, None)},
+    # DeepSeek-V2-Lite: 64 experts of 1408, top 6, 2 shared experts (2 x 1408)
+    "deepseek_v2": {"tiny": (8, 2, 48, 96), "lite": (64, 6, 1408, 2816)},
 }
 
 

@@ -73,8 +73,10 @@ BINARY_HEAD = When("binary_head", lambda c: c.bert_binary_head)
 SHARED_EXPERT = When("shared_expert", _shared_expert)
 SHARED_EXPERT_GATE = When("shared_expert_gate", lambda c: _shared_expert(c) and c.moe_shared_expert_gate)
 QK_NORM = When("qk_norm", lambda c: c.qk_layernorm)
+Q_LORA = When("q_lora", lambda c: c.q_lora_rank is not None)  # MLA's queries through a latent
+NO_Q_LORA = When("no_q_lora", lambda c: c.q_lora_rank is None)  # MLA's queries straight from the hidden state
 OPTIONS = (UNTIED, BIAS, QKV_BIAS, LEARNED_POSITIONS, NORM_BIAS, BINARY_HEAD, SHARED_EXPERT, SHARED_EXPERT_GATE,
-           QK_NORM)
+           QK_NORM, Q_LORA, NO_Q_LORA)
 
 
 @dataclass(frozen=True)

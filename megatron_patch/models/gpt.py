@@ -12,6 +12,7 @@ from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core import parallel_state as mpu
 from megatron.core.inference.utils import InferenceMode
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
@@ -21,8 +22,8 @@ from megatron_patch.config.config import Config  # the class, not the package (i
 from megatron_patch.config.rule import transformer_engine_available
 
 from .linear_cross_entropy import linear_cross_entropy
-from .norm import HeadNorm, SequenceParallelNorm
-from .sdpa_attention import SDPAttention
+from .norm import HeadNorm, LatentNorm, SequenceParallelNorm
+from .sdpa_attention import MLASDPAttention, SDPAttention
 
 
 def padded_vocab_size(vocab_size: int, cfg: Config) -> int:
@@ -45,10 +46,25 @@ def resolve_attention_backend(cfg: Config) -> str:
     return cfg.attention_backend
 
 
+def mla_config(cfg: Config) -> dict:
+    """MLATransformerConfig fields of a multi-latent-attention model (none otherwise)."""
+    if not cfg.multi_latent_attention:
+        return {}
+    return dict(multi_latent_attention=True, q_lora_rank=cfg.q_lora_rank, kv_lora_rank=cfg.kv_lora_rank,
+                qk_head_dim=cfg.qk_head_dim, qk_pos_emb_head_dim=cfg.qk_pos_emb_head_dim, v_head_dim=cfg.v_head_dim,
+                rope_type=cfg.rope_type, rotary_base=cfg.rotary_base, rotary_scaling_factor=cfg.rotary_scaling_factor,
+                original_max_position_embeddings=cfg.original_max_position_embeddings, beta_fast=cfg.beta_fast,
+                beta_slow=cfg.beta_slow, mscale=cfg.mscale, mscale_all_dim=cfg.mscale_all_dim)
+
+
 def build_transformer_config(cfg: Config) -> TransformerConfig:
     dtype = torch.bfloat16 if cfg.bf16 else torch.float16 if cfg.fp16 else torch.float32
     on_gpu = torch.cuda.is_available()
-    return TransformerConfig(
+    if cfg.multi_latent_attention:
+        from megatron.core.transformer.transformer_config import MLATransformerConfig as config_class
+    else:
+        config_class = TransformerConfig
+    return config_class(
         num_layers=cfg.num_layers,
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
@@ -96,6 +112,7 @@ def build_transformer_config(cfg: Config) -> TransformerConfig:
         # cost time and, on the CPU, a transient fp32 copy of each weight (0.5 GiB for a 32k x 2048 output layer).
         perform_initialization=not cfg.load_hf,
         **moe_config(cfg),
+        **mla_config(cfg),
     )
 
 
@@ -109,6 +126,7 @@ def moe_config(cfg: Config) -> dict:
         moe_layer_freq=cfg.moe_layer_freq,
         moe_router_topk=cfg.moe_router_topk,
         moe_router_pre_softmax=cfg.moe_router_pre_softmax,
+        moe_router_topk_scaling_factor=cfg.moe_router_topk_scaling_factor,
         moe_shared_expert_intermediate_size=cfg.moe_shared_expert_intermediate_size,
         moe_shared_expert_gate=cfg.moe_shared_expert_gate,
         moe_router_load_balancing_type=cfg.moe_router_load_balancing_type,
@@ -142,12 +160,21 @@ def layer_spec(cfg: Config, moe: bool = False) -> ModuleSpec:
 
         return get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=cfg.qk_layernorm)
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization=cfg.normalization,
-                                    qk_layernorm=cfg.qk_layernorm)
+                                    qk_layernorm=cfg.qk_layernorm, multi_latent_attention=cfg.multi_latent_attention)
     attention = spec.submodules.self_attention.submodules
-    if backend == "sdpa":
-        attention.core_attention = SDPAttention
-    if cfg.qk_layernorm:  # megatron-core's local torch norm refuses sequence parallelism, which q/k norms never see
-        attention.q_layernorm = attention.k_layernorm = HeadNorm
+    if cfg.multi_latent_attention:  # megatron-core's local core attention cannot run MLA (MLASDPAttention)
+        from megatron_patch.compat.mla import mla_query_projection_without_norm
+
+        mla_query_projection_without_norm()
+        attention.core_attention = MLASDPAttention
+        if cfg.qk_layernorm:  # the query latent's norm only where there is a query latent (megatron-core's rule)
+            attention.kv_layernorm = LatentNorm
+            attention.q_layernorm = LatentNorm if cfg.q_lora_rank is not None else IdentityOp
+    else:
+        if backend == "sdpa":
+            attention.core_attention = SDPAttention
+        if cfg.qk_layernorm:  # megatron-core's local torch norm refuses sequence parallelism, which q/k norms never see
+            attention.q_layernorm = attention.k_layernorm = HeadNorm
     spec.submodules.input_layernorm = SequenceParallelNorm
     spec.submodules.pre_mlp_layernorm = SequenceParallelNorm
     return spec

@@ -37,3 +37,19 @@ class HeadNorm:
         if config.normalization == "RMSNorm":
             return torch.nn.RMSNorm(hidden_size, eps=eps)
         raise ValueError(f"normalization {config.normalization!r}: choose LayerNorm or RMSNorm")
+
+
+class LatentNorm:
+    """Factory with WrappedTorchNorm's signature for multi-latent attention's query and key/value latent norms.
+
+    Without sequence parallelism every TP rank normalises the same, whole latent and receives the same (already
+    all-reduced) gradient, so the weights' gradients are equal on every rank and must not be summed; megatron-core's
+    finalize_model_grads sums those named "q_layernorm" of a qk_layernorm model, so they are marked to be averaged
+    (the average of equal values is the value). With sequence parallelism megatron-core scatters each latent over the
+    sequence before its norm: each rank holds part of the gradient, marked for the sum like the layers' norms."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
+        norm = SequenceParallelNorm(config, hidden_size, eps=eps)
+        for p in norm.parameters():
+            p.average_gradients_across_tp_domain = not config.sequence_parallel
+        return norm

@@ -36,3 +36,27 @@ class SDPAttention(DotProductAttention):
         else:
             out = attend()
         return out.permute(2, 0, 1, 3).reshape(out.size(2), out.size(0), -1)
+
+
+class MLASDPAttention(SDPAttention):
+    """SDPAttention for multi-latent attention: queries and keys of `k_channels` (the part without RoPE plus the
+    rotated part), values of `v_channels`, and MLA's own softmax scale (YaRN's mscale). megatron-core's local
+    DotProductAttention cannot serve MLA: it refuses the k_channels/v_channels MLA passes and sizes its output as
+    kv_channels x heads; SDPA takes values narrower than the keys as they are."""
+
+    def __init__(self, config, layer_number: int, attn_mask_type, attention_type: str, attention_dropout=None,
+                 softmax_scale=None, k_channels=None, v_channels=None, cp_comm_type=None, pg_collection=None) -> None:
+        from megatron.core.transformer.module import MegatronModule
+
+        MegatronModule.__init__(self, config=config)  # DotProductAttention's own set-up is what MLA cannot use
+        if config.context_parallel_size > 1:
+            raise NotImplementedError("MLA with context parallelism needs Transformer Engine's attention")
+        self.layer_number, self.attn_mask_type, self.attention_type = max(1, layer_number), attn_mask_type, attention_type
+        self.softmax_scale = softmax_scale  # None (Attention's first, discarded build): SDPA's 1/sqrt(channels)
+        self.hidden_size_per_attention_head_v = v_channels
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets=(), metadata=None) -> dict:
+        """No parameters (no learnable softmax offset)."""
+        if self.config.softmax_type == "learnable":
+            raise NotImplementedError("MLA with a learnable softmax offset needs Transformer Engine's attention")
+        return {}

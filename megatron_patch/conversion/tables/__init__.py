@@ -6,10 +6,10 @@ one line below that registers it."""
 from __future__ import annotations
 
 from ..family import Family, Registry
-from . import bert, gpt2, llama, mixtral, qwen2_moe
+from . import bert, deepseek_v2, gpt2, llama, mixtral, qwen2_moe
 
 FAMILIES = Registry()
-for _module in (gpt2, llama, mixtral, qwen2_moe, bert):
+for _module in (gpt2, llama, mixtral, qwen2_moe, deepseek_v2, bert):
     FAMILIES.register(_module.FAMILY)
 
 
