@@ -1,4 +1,5 @@
-"""Mixture-of-experts conversion: Mixtral and Qwen2-MoE <-> the engine, in expert-parallel layouts.
+"""Mixture-of-experts conversion: Mixtral, Qwen2-MoE, Qwen3-MoE and DeepSeek-V2 <-> the engine, in expert-parallel
+layouts.
 
 Models (tests/conversion_utils.py MOE_FAMILIES): tiny transformers models with random weights, 4 experts top-2,
 vocabulary 1001; qwen2_moe has a sparse and a dense layer, a gated shared expert and norm_topk_prob False.
@@ -105,8 +106,9 @@ def test_expert_rules_compute_transformers_experts(family, hf_dir):
     cfg = Config(**module.engine_args(model.config.to_dict()))
     rules = {r.mcore: r for r in module.table.rules_for(cfg)}
     read, d = HFCheckpointReader(hf_dir(family)).get, dims(cfg, VOCAB, VOCAB)
-    get = lambda name: to_mcore(rules[f"decoder.layers.0.mlp.{name}"], read, d)  # noqa: E731
-    block = model.model.layers[0].mlp
+    first = cfg.moe_layers()[0]  # DeepSeek-V2's first layer is dense
+    get = lambda name: to_mcore(rules[f"decoder.layers.{first}.mlp.{name}"], read, d)  # noqa: E731
+    block = model.model.layers[first].mlp
     x = torch.randn(16, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
 
     def swiglu(fc1, fc2, x):
@@ -125,6 +127,9 @@ def test_expert_rules_compute_transformers_experts(family, hf_dir):
             gated = torch.sigmoid(x @ get("shared_experts.gate_weight").t()) * shared
             want = torch.sigmoid(block.shared_expert_gate(x)) * block.shared_expert(x)
             torch.testing.assert_close(gated, want, rtol=1e-5, atol=1e-6)
+        if family == "deepseek_v2":  # shared experts without a gate
+            shared = swiglu(get("shared_experts.linear_fc1.weight"), get("shared_experts.linear_fc2.weight"), x)
+            torch.testing.assert_close(shared, block.shared_experts(x), rtol=1e-5, atol=1e-6)
 
 
 def test_engine_fields_from_config_json():
@@ -160,8 +165,11 @@ def test_config_json_of_an_engine_model_gives_the_same_model(family):
 
 
 @pytest.mark.parametrize("family,changes,pre_softmax", [
-    ("mixtral", {}, False), ("qwen2_moe", {}, True), ("qwen2_moe", {"norm_topk_prob": True}, False)],
-    ids=["mixtral", "qwen2_moe", "qwen2_moe_norm_topk"])
+    ("mixtral", {}, False), ("qwen2_moe", {}, True), ("qwen2_moe", {"norm_topk_prob": True}, False),
+    ("qwen3_moe", {}, False), ("qwen3_moe", {"norm_topk_prob": False}, True), ("deepseek_v2", {}, True),
+    ("deepseek_v2", {"norm_topk_prob": True}, True)],  # DeepSeek-V2's router never renormalises
+    ids=["mixtral", "qwen2_moe", "qwen2_moe_norm_topk", "qwen3_moe", "qwen3_moe_no_norm_topk", "deepseek_v2",
+         "deepseek_v2_norm_topk_ignored"])
 def test_megatron_router_picks_transformers_experts_and_weights(family, changes, pre_softmax):
     """transformers' router module and megatron-core's top-k with the options engine_args chooses: the same
     experts, the same weights (to 1e-6), on 4096 random tokens."""
@@ -171,7 +179,8 @@ def test_megatron_router_picks_transformers_experts_and_weights(family, changes,
 
     config = _config(family, **changes)
     modeling = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
-    router = getattr(modeling, "MixtralTopKRouter" if family == "mixtral" else "Qwen2MoeTopKRouter")(config)
+    router = getattr(modeling, {"mixtral": "MixtralTopKRouter", "qwen3_moe": "Qwen3MoeTopKRouter",
+                                "deepseek_v2": "DeepseekV2TopkRouter"}.get(family, "Qwen2MoeTopKRouter"))(config)
     args = tables.for_model_type(family).engine_args(config.to_dict())
     assert args["moe_router_pre_softmax"] is pre_softmax
     g = torch.Generator().manual_seed(0)
@@ -180,6 +189,7 @@ def test_megatron_router_picks_transformers_experts_and_weights(family, changes,
         hidden = torch.randn(4096, config.hidden_size, generator=g)
         logits, hf_weights, hf_experts = router(hidden)
         probs, experts = topk_routing_with_score_function(logits, args["moe_router_topk"], use_pre_softmax=pre_softmax,
+                                                          scaling_factor=args.get("moe_router_topk_scaling_factor"),
                                                           dense_output=True)
     order_hf, order_mc = hf_experts.argsort(dim=1), experts.argsort(dim=1)
     assert torch.equal(hf_experts.gather(1, order_hf), experts.gather(1, order_mc))
@@ -222,11 +232,15 @@ def test_moe_layer_freq_accepts_megatron_lists_and_nothing_else():
     ("qwen2_moe", "tiny", 1, []), ("qwen2_moe", "a2.7b", 8, ["--expert-model-parallel-size", "4"]),
     ("qwen2_moe", "57b-a14b", 32, ["--expert-model-parallel-size", "8", "--tensor-model-parallel-size", "4",
                                    "--sequence-parallel"]),
+    ("qwen3_moe", "tiny", 1, []), ("qwen3_moe", "30b-a3b", 16, ["--expert-model-parallel-size", "8"]),
+    ("deepseek_v2", "tiny", 1, []), ("deepseek_v2", "lite", 16, ["--expert-model-parallel-size", "8"]),
 ])
 def test_presets_validate(family, size, world, flags):
     c = parse_args(["--model-family", family, "--model-size", size, "--mock-data", *flags]).validate(world)
-    assert c.num_experts and c.moe_router_topk and c.moe_layers() == list(range(c.num_layers))
-    assert (c.moe_shared_expert_intermediate_size is not None) == (family == "qwen2_moe") == c.moe_shared_expert_gate
+    dense = 1 if family == "deepseek_v2" else 0  # DeepSeek-V2's first layer (first_k_dense_replace)
+    assert c.num_experts and c.moe_router_topk and c.moe_layers() == list(range(dense, c.num_layers))
+    assert (c.moe_shared_expert_intermediate_size is not None) == (family in ("qwen2_moe", "deepseek_v2"))
+    assert c.moe_shared_expert_gate == (family == "qwen2_moe")
     assert tables.for_engine(c) is tables.for_model_type(family)
     if size == "a2.7b":  # Qwen1.5-MoE-A2.7B
         assert (c.num_experts, c.moe_router_topk, c.moe_ffn_hidden_size, c.moe_shared_expert_intermediate_size,

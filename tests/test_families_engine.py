@@ -19,6 +19,14 @@ QWEN3 = ["--model-family", "qwen3", "--num-query-groups", "2", "--kv-channels", 
          "--adam-eps", "1", "--lr", "0.1"]
 LLAMA3 = ["--model-family", "llama3", "--num-query-groups", "2", "--rope-scaling-low-freq-factor", "2",
           "--rope-scaling-original-max-position-embeddings", "16", "--max-position-embeddings", "64"]
+# the DeepSeek-V2 shape with a query latent (its norm: LatentNorm), YaRN, a dense first layer, scaled routing
+DEEPSEEK = ["--model-family", "deepseek_v2", "--model-size", "tiny", "--q-lora-rank", "24", "--num-layers", "2",
+            "--hidden-size", "64", "--ffn-hidden-size", "96", "--moe-router-topk-scaling-factor", "1.5",
+            "--moe-aux-loss-coeff", "0.01", "--clip-grad", "0", "--adam-eps", "1", "--lr", "0.1"]
+MLA_DENSE = ["--model-family", "llama", "--multi-latent-attention", "--qk-layernorm", "--q-lora-rank", "24",
+             "--kv-lora-rank", "32", "--qk-head-dim", "16", "--qk-pos-emb-head-dim", "8", "--v-head-dim", "24",
+             "--rope-type", "yarn", "--rotary-scaling-factor", "4", "--original-max-position-embeddings", "16",
+             "--mscale", "0.8", "--mscale-all-dim", "0.6", "--clip-grad", "0", "--adam-eps", "1", "--lr", "0.1"]
 QWEN3_MOE = ["--model-family", "qwen3_moe", "--num-query-groups", "2", "--kv-channels", "24", "--num-experts", "4",
              "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48", "--moe-aux-loss-coeff", "0.01"]
 
@@ -33,7 +41,7 @@ def _trains_like(reference, run, what: str, weights: bool = True) -> None:
     if weights:
         ref_w, w = (_model_weights(os.path.join(c, "iter_0000005")) for c in (ref_ck, ck))
         assert set(w) == set(ref_w)
-        assert any("q_layernorm" in k for k in w) == ("qwen3" in what)
+        assert any("q_layernorm" in k for k in w) == ("qwen3" in what or "deepseek" in what)
         for k, ref in ref_w.items():
             torch.testing.assert_close(w[k], ref, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{what} {k}: {m}")
 
@@ -68,3 +76,15 @@ def test_qwen3_moe_at_ep2_trains_like_ep1(tmp_path):
     reference = _run(tmp_path, "ep1", 2, *QWEN3_MOE)
     run = _run(tmp_path, "ep2", 2, *QWEN3_MOE, "--expert-model-parallel-size", "2")
     _trains_like(reference, run, "qwen3_moe EP2")
+
+
+@pytest.mark.parametrize("model,layout", [
+    (MLA_DENSE, ["--tensor-model-parallel-size", "2"]),
+    (DEEPSEEK, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])], ids=["mla_dense_tp2", "deepseek_v2_tp2_sp"])
+def test_multi_latent_attention_at_tp2_trains_like_one_process(model, layout, tmp_path):
+    """Multi-latent attention's latent norms: each TP rank holds the whole latent (their gradients equal on every rank,
+    not to be summed) or, with sequence parallelism, a slice of the sequence (to be summed). MoE needs sequence
+    parallelism at TP > 1, so the first case is a dense model with DeepSeek's attention."""
+    reference = _run(tmp_path, "tp1", 1, *model)
+    run = _run(tmp_path, "tp2", 2, *model, *layout)
+    _trains_like(reference, run, "deepseek " + " ".join(layout))

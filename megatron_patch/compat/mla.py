@@ -35,3 +35,59 @@ def mla_query_projection_without_norm() -> None:
                             q_layernorm=IdentityOp, kv_layernorm=kv_norm)
 
     replace(resolver, "_resolve_mla_qk_layernorm", resolve)
+
+
+class _SumRotaryGrads:
+    """Identity forward; backward sums the last `rope_dim` channels' gradient over the TP group (built on first use:
+    importing compat must not import torch.autograd's Function into every process's start-up path needlessly)."""
+
+    @staticmethod
+    def function():
+        import torch
+
+        class SumRotaryGrads(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, t, rope_dim: int, group):
+                ctx.rope_dim, ctx.group = rope_dim, group
+                return t.view_as(t)
+
+            @staticmethod
+            def backward(ctx, grad):
+                grad = grad.clone()
+                part = grad[..., -ctx.rope_dim:].contiguous()
+                torch.distributed.all_reduce(part, group=ctx.group)
+                grad[..., -ctx.rope_dim:] = part
+                return grad, None, None
+
+        return SumRotaryGrads
+
+
+@register(upstream=("megatron/core/transformer/multi_latent_attention.py:MLASelfAttention._qkv_down_projection",
+                    "megatron/core/transformer/multi_latent_attention.py:MLASelfAttention.get_query_key_value_tensors"),
+          fixes="with a column-parallel linear_kv_down_proj (the local spec) at TP > 1, megatron-core gathers the kv "
+                "latent and the shared RoPE key, but the RoPE key's gradient comes only from each rank's own heads and "
+                "the gather's backward keeps one slice of it: the other ranks' heads are lost. Gather here instead, "
+                "summing that gradient over the TP group (with sequence parallelism: scatter the sequence back, so "
+                "megatron-core's own gather of the RoPE key over the sequence sums it in its backward)",
+          fingerprint="04cd87d56b0fe417")
+def mla_rotary_key_gradient_over_tp() -> None:
+    """Make MLASelfAttention's key/value down projection whole on every TP rank, with correct gradients."""
+    from megatron.core.tensor_parallel.mappings import (gather_from_tensor_model_parallel_region,
+                                                        scatter_to_sequence_parallel_region)
+    from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+
+    upstream = original(MLASelfAttention, "_qkv_down_projection")
+    sum_rotary_grads = _SumRotaryGrads.function()
+
+    def down_projection(self, hidden_states):
+        q_compressed, kv_combined = upstream(self, hidden_states)
+        full = self.config.kv_lora_rank + self.config.qk_pos_emb_head_dim
+        if kv_combined.size(-1) != full:  # column-parallel: this rank's slice of the channels
+            kv_combined = gather_from_tensor_model_parallel_region(kv_combined)
+            if self.config.sequence_parallel:
+                kv_combined = scatter_to_sequence_parallel_region(kv_combined)  # megatron-core then gathers the key
+            else:
+                kv_combined = sum_rotary_grads.apply(kv_combined, self.config.qk_pos_emb_head_dim, self.tp_group)
+        return q_compressed, kv_combined
+
+    replace(MLASelfAttention, "_qkv_down_projection", down_projection)

@@ -163,9 +163,10 @@ def layer_spec(cfg: Config, moe: bool = False) -> ModuleSpec:
                                     qk_layernorm=cfg.qk_layernorm, multi_latent_attention=cfg.multi_latent_attention)
     attention = spec.submodules.self_attention.submodules
     if cfg.multi_latent_attention:  # megatron-core's local core attention cannot run MLA (MLASDPAttention)
-        from megatron_patch.compat.mla import mla_query_projection_without_norm
+        from megatron_patch.compat.mla import mla_query_projection_without_norm, mla_rotary_key_gradient_over_tp
 
         mla_query_projection_without_norm()
+        mla_rotary_key_gradient_over_tp()
         attention.core_attention = MLASDPAttention
         if cfg.qk_layernorm:  # the query latent's norm only where there is a query latent (megatron-core's rule)
             attention.kv_layernorm = LatentNorm
