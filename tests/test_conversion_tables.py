@@ -105,7 +105,7 @@ def test_family_registry_names_the_known_families_and_refuses_a_second_one():
     from megatron_patch.conversion.mapping import OPTIONS, When
 
     known = tables.FAMILIES.names()
-    assert known == ("bert", "gpt2", "llama", "mixtral", "qwen2_moe")
+    assert known == ("bert", "deepseek_v2", "gpt2", "llama", "mixtral", "qwen2_moe")
     with pytest.raises(ConversionError, match="unknown model family 't5': the conversion knows " + ", ".join(known)):
         tables.family("t5")
     for f in tables.FAMILIES:

@@ -1,4 +1,5 @@
-"""Today's families (issue 29): Llama 3.x, Qwen2.5, Qwen3, Qwen3-MoE, from Hugging Face to the engine and back.
+"""Today's families (issue 29): Llama 3.x, Qwen2.5, Qwen3, Qwen3-MoE, DeepSeek-V2 (multi-latent attention), from
+Hugging Face to the engine and back.
 
 1. Real config.json files (their public fields written by hand: no download) are accepted, in the form their
    release wrote them (transformers 4.x: rope_theta beside rope_scaling) and in the form this transformers
@@ -10,8 +11,8 @@
    when megatron-core no longer needs the patch.
 5. The CLI, one representative layout per family (the family x layout matrix is in test_conversion_families and
    test_conversion_moe, slow): llama3 at TP2 (the 2 query groups split over the ranks), qwen3 at PP2, qwen3_moe
-   at TP2 x EP2: hf2mcore --verify against transformers, mcore2hf back bit for bit, and the export generates
-   what the original generates.
+   and deepseek_v2 at TP2 x EP2: hf2mcore --verify against transformers, mcore2hf back bit for bit, and (dense)
+   the export generates what the original generates.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conversion_utils import (  # noqa: E402
-    FAMILIES, assert_same_tensors, explain, read_safetensors_dir, run_convert, save_hf_model,
+    FAMILIES, assert_same_tensors, explain, manifest, read_safetensors_dir, run_convert, save_hf_model,
 )
 
 from megatron_patch.config import Config, parse_args  # noqa: E402
@@ -78,17 +79,36 @@ REAL = {
                           num_key_value_heads=4, output_router_logits=False, rms_norm_eps=1e-06, rope_scaling=None,
                           rope_theta=1000000.0, router_aux_loss_coef=0.001, sliding_window=None,
                           tie_word_embeddings=False, use_sliding_window=False, vocab_size=151936),
+    "DeepSeek-V2-Lite": dict(_COMMON, architectures=["DeepseekV2ForCausalLM"], attention_bias=False,
+                             aux_loss_alpha=0.001, bos_token_id=100000, eos_token_id=100001, first_k_dense_replace=1,
+                             hidden_size=2048, intermediate_size=10944, kv_lora_rank=512, max_position_embeddings=163840,
+                             model_type="deepseek_v2", moe_intermediate_size=1408, moe_layer_freq=1, n_group=1,
+                             n_routed_experts=64, n_shared_experts=2, norm_topk_prob=False, num_attention_heads=16,
+                             num_experts_per_tok=6, num_hidden_layers=27, num_key_value_heads=16, pretraining_tp=1,
+                             q_lora_rank=None, qk_nope_head_dim=128, qk_rope_head_dim=64, rms_norm_eps=1e-06,
+                             rope_scaling={"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707,
+                                           "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096,
+                                           "type": "yarn"},
+                             rope_theta=10000, routed_scaling_factor=1.0, scoring_func="softmax", seq_aux=True,
+                             tie_word_embeddings=False, topk_group=1, topk_method="greedy", v_head_dim=128,
+                             vocab_size=102400),
 }
 PRESET = {"Llama-3.1-8B": ("llama3", "8b"), "Llama-3.2-1B": ("llama3", "1b"), "Qwen2.5-0.5B": ("qwen2", "0.5b"),
           "Qwen2.5-7B": ("qwen2", "7b"), "Qwen3-0.6B": ("qwen3", "0.6b"), "Qwen3-8B": ("qwen3", "8b"),
-          "Qwen3-30B-A3B": ("qwen3_moe", "30b-a3b")}
+          "Qwen3-30B-A3B": ("qwen3_moe", "30b-a3b"), "DeepSeek-V2-Lite": ("deepseek_v2", "lite")}
 # The fields of a model that a preset fixes (the vocabulary comes from the tokenizer, positions from the run)
 SHAPE = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "head_dim",
          "untie_embeddings_and_output_weights", "rotary_base", "use_rope_scaling", "rope_scaling_factor",
          "rope_scaling_low_freq_factor", "rope_scaling_high_freq_factor",
          "rope_scaling_original_max_position_embeddings", "qk_layernorm", "add_qkv_bias", "norm_epsilon", "swiglu",
          "normalization", "num_experts", "moe_router_topk", "moe_ffn_hidden_size", "moe_router_pre_softmax",
-         "moe_shared_expert_intermediate_size", "model_family")
+         "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_router_topk_scaling_factor",
+         "moe_layer_freq", "model_family", "multi_latent_attention", "q_lora_rank", "kv_lora_rank", "qk_head_dim",
+         "qk_pos_emb_head_dim", "v_head_dim", "rope_type", "rotary_scaling_factor", "original_max_position_embeddings",
+         "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+
+
+MLA = SHAPE[SHAPE.index("q_lora_rank"):]
 
 
 def _shape(cfg: Config) -> dict:
@@ -96,6 +116,10 @@ def _shape(cfg: Config) -> dict:
     out["head_dim"] = cfg.kv_channels or cfg.hidden_size // cfg.num_attention_heads
     if not cfg.use_rope_scaling:  # the scaling's parameters mean nothing without it
         out = {k: v for k, v in out.items() if not k.startswith("rope_scaling_")}
+    if not cfg.multi_latent_attention:  # nor MLA's without it
+        out = {k: v for k, v in out.items() if k not in MLA}
+    if cfg.moe_router_topk_scaling_factor in (None, 1.0):
+        out["moe_router_topk_scaling_factor"] = None  # x 1 is no scaling
     return out
 
 
@@ -161,6 +185,12 @@ REFUSED = [  # (model, changes, what the message says)
     ("Qwen3-8B", dict(layer_types=["full_attention"] * 35 + ["sliding_attention"]), "sliding-window"),
     ("Qwen3-30B-A3B", dict(shared_expert_intermediate_size=768), "Qwen3-MoE has no shared expert"),
     ("Qwen3-30B-A3B", dict(num_experts_per_tok=129), "num_experts_per_tok 129"),
+    ("DeepSeek-V2-Lite", dict(topk_method="group_limited_greedy"), "topk_method 'group_limited_greedy'"),
+    ("DeepSeek-V2-Lite", dict(scoring_func="sigmoid"), "scoring_func 'sigmoid'"),
+    ("DeepSeek-V2-Lite", dict(rms_norm_eps=1e-5), "rms_norm_eps 1e-05"),  # its latent norms keep 1e-6
+    ("DeepSeek-V2-Lite", dict(attention_bias=True), "attention_bias"),
+    ("DeepSeek-V2-Lite", dict(rope_scaling={"type": "linear", "factor": 2.0}), "rope type 'linear'"),
+    ("DeepSeek-V2-Lite", dict(moe_layer_freq=2), "moe_layer_freq 2"),
 ]
 
 
@@ -216,7 +246,8 @@ def test_canary_megatron_core_hard_codes_the_llama3_bounds():
 
 # ------------------------------------------------------------------------------------------------- the CLI
 
-FAST = [("llama3", "2", "1", "1"), ("qwen3", "1", "2", "1"), ("qwen3_moe", "2", "1", "2")]  # (family, TP, PP, EP)
+FAST = [("llama3", "2", "1", "1"), ("qwen3", "1", "2", "1"), ("qwen3_moe", "2", "1", "2"),
+        ("deepseek_v2", "2", "1", "2")]  # (family, TP, PP, EP)
 
 
 def _generate(model_dir: str) -> torch.Tensor:
@@ -237,6 +268,10 @@ def test_each_family_converts_verifies_and_comes_back_bit_for_bit(family, tp, pp
                        "--target-tensor-model-parallel-size", tp, "--target-pipeline-model-parallel-size", pp,
                        "--target-expert-model-parallel-size", ep, "--make-vocab-size-divisible-by", "1")
     assert proc.returncode == 0 and "verify passed" in proc.stdout, explain(proc)
+    m = manifest(ck)
+    assert (m["layout"]["tp"], m["layout"]["pp"], m["layout"].get("ep", 1)) == (int(tp), int(pp), int(ep))
+    assert m["config"]["save"] == ck  # the directory it was published as, not the staging one
+    assert sorted(os.listdir(tmp_path)) == ["ck", "hf"], "hf2mcore left its staging directory or wrote elsewhere"
     proc = run_convert("--direction", "mcore2hf", "--load-dir", ck, "--save-dir", out, "--no-verify")
     assert proc.returncode == 0, explain(proc)
     assert_same_tensors(read_safetensors_dir(src), read_safetensors_dir(out), f"{family}: {out}")

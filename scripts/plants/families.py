@@ -52,7 +52,8 @@ PLANTS = [
          original="        args.update(add_qkv_bias=bool(c.get(\"qkv_bias\", True)), moe_shared_expert_intermediate_size=shared,",
          replacement="        args.update(add_qkv_bias=bool(c.get(\"qkv_bias\", True)), moe_shared_expert_intermediate_size=None,",
          property="a Qwen2-MoE's shared expert is converted, not dropped",
-         tests=["tests/test_conversion_moe.py::test_round_trip_verifies_and_reproduces_every_tensor[qwen2_moe-ep2]"]),
+         tests=["tests/test_conversion_moe.py::test_expert_rules_compute_transformers_experts[qwen2_moe]",
+                "tests/test_conversion_moe.py::test_tables_use_every_tensor_save_pretrained_writes[qwen2_moe]"]),
 ]
 PLANTS += [
     dict(name="qk-norm-grads-averaged-over-tp", file="megatron_patch/models/norm.py",
@@ -69,4 +70,40 @@ PLANTS += [
          replacement='    "llama3": dict(pattern=_LETTERS + r"\\p{N}" + _REST,',
          property="the Llama 3-style tokenizer splits digits in groups of up to three, as Llama 3's tokenizer.json",
          tests=["tests/test_tokenizers.py::test_model_directory_tokenizer_gives_transformers_ids_and_its_end_of_text"]),
+]
+MLA_TP = "tests/test_families_engine.py::test_multi_latent_attention_at_tp2_trains_like_one_process"
+PLANTS += [
+    dict(name="mla-kv-split-off-by-one", file="megatron_patch/conversion/tables/deepseek_v2.py",
+         original='                kv_lora_rank=c["kv_lora_rank"], qk_head_dim=c["qk_nope_head_dim"],\n'
+                  '                qk_pos_emb_head_dim=c["qk_rope_head_dim"],',
+         replacement='                kv_lora_rank=c["kv_lora_rank"] + 1, qk_head_dim=c["qk_nope_head_dim"],\n'
+                     '                qk_pos_emb_head_dim=c["qk_rope_head_dim"] - 1,',
+         property="MLA's key/value down projection is split into the latent and the RoPE key where DeepSeek splits it",
+         tests=[f"{CLI}[deepseek_v2]", f"{TODAY}::test_a_real_config_json_is_accepted_and_is_its_preset"]),
+    dict(name="deepseek-shared-experts-dropped", file="megatron_patch/conversion/tables/deepseek_v2.py",
+         original="                moe_shared_expert_intermediate_size=shared * moe_ffn if shared else None,",
+         replacement="                moe_shared_expert_intermediate_size=None,",
+         property="DeepSeek-V2's shared experts are converted, not dropped",
+         tests=[f"{CLI}[deepseek_v2]",
+                "tests/test_conversion_moe.py::test_tables_use_every_tensor_save_pretrained_writes[deepseek_v2]"]),
+    dict(name="deepseek-routed-scaling-ignored", file="megatron_patch/conversion/tables/deepseek_v2.py",
+         original='                moe_router_topk_scaling_factor=float(c.get("routed_scaling_factor") or 1.0),',
+         replacement='                moe_router_topk_scaling_factor=1.0,',
+         property="DeepSeek's routed_scaling_factor scales the routed experts' weights in the engine",
+         tests=[f"{CLI}[deepseek_v2]"]),
+    dict(name="yarn-mscale-ignored", file="megatron_patch/conversion/tables/deepseek_v2.py",
+         original='beta_slow=float(v["beta_slow"]), mscale=float(v["mscale"]), mscale_all_dim=float(v["mscale_all_dim"]),',
+         replacement='beta_slow=float(v["beta_slow"]), mscale=1.0, mscale_all_dim=0.0,',
+         property="YaRN's mscale and mscale_all_dim (the rotated channels' and the softmax's scaling) reach the engine",
+         tests=[f"{CLI}[deepseek_v2]"]),
+    dict(name="latent-norm-summed-over-tp", file="megatron_patch/models/norm.py",
+         original="            p.average_gradients_across_tp_domain = not config.sequence_parallel",
+         replacement="            p.average_gradients_across_tp_domain = False",
+         property="MLA's query latent norm is not summed over TP ranks that all hold its whole gradient",
+         tests=[f"{MLA_TP}[mla_dense_tp2]"]),
+    dict(name="mla-rotary-key-grad-kept-per-rank", file="megatron_patch/models/gpt.py",
+         original="        mla_rotary_key_gradient_over_tp()\n",
+         replacement="        pass  # megatron-core's gather keeps one rank's part of the RoPE key's gradient\n",
+         property="the shared RoPE key's gradient collects every TP rank's heads (compat.mla)",
+         tests=[f"{MLA_TP}[mla_dense_tp2]", f"{MLA_TP}[deepseek_v2_tp2_sp]"]),
 ]

@@ -7,7 +7,7 @@ stored configuration names --save-dir.
 FAMILIES = "tests/test_conversion_families.py"
 FAILED_VERIFY = f"{FAMILIES}::test_planted_import_error_fails_verify[untransposed_conv1d]"
 RESUMES = f"{FAMILIES}::test_converted_checkpoint_is_published_where_asked_and_resumes"
-MOE = "tests/test_conversion_moe.py::test_round_trip_verifies_and_reproduces_every_tensor[qwen2_moe-ep2]"
+MOE = "tests/test_conversion_today.py::test_each_family_converts_verifies_and_comes_back_bit_for_bit[qwen3_moe]"
 PUBLISH = "tests/test_conversion_export.py::test_publish_renames_only_a_complete_conversion"
 
 PLANTS = [

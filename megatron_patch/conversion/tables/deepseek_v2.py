@@ -110,6 +110,9 @@ def engine_args(c: Dict) -> Dict:
     if not math.isclose(eps, LATENT_NORM_EPS):
         raise ConversionError(f"config.json rms_norm_eps {eps}: DeepSeek-V2's latent norms use 1e-6 whatever it says, "
                               f"the engine one epsilon for every norm; only 1e-6 converts exactly")
+    if (c.get("scoring_func") or "softmax") != "softmax":
+        raise ConversionError(f"config.json scoring_func {c['scoring_func']!r}: DeepSeek-V2's router scores with "
+                              f"softmax in transformers and in the engine")
     method = c.get("topk_method") or "greedy"
     if method != "greedy":
         raise ConversionError(f"config.json topk_method {method!r}: the engine routes greedily (softmax, top k); "
@@ -127,7 +130,7 @@ def engine_args(c: Dict) -> Dict:
                               f"experts in DeepSeek-V2's transformers model")
     heads, moe_ffn = c["num_attention_heads"], c["moe_intermediate_size"]
     return dict(model_family="deepseek_v2", num_layers=c["num_hidden_layers"], hidden_size=c["hidden_size"],
-                num_attention_heads=heads, num_query_groups=heads, ffn_hidden_size=c["intermediate_size"],
+                num_attention_heads=heads, num_query_groups=None, ffn_hidden_size=c["intermediate_size"],
                 max_position_embeddings=c["max_position_embeddings"], position_embedding_type="rope",
                 normalization="RMSNorm", norm_epsilon=eps, swiglu=True, openai_gelu=False,
                 untie_embeddings_and_output_weights=not c.get("tie_word_embeddings", False), disable_bias_linear=True,
@@ -139,7 +142,9 @@ def engine_args(c: Dict) -> Dict:
                 moe_layer_freq=1 if all(pattern) else pattern, moe_router_pre_softmax=True,
                 moe_router_topk_scaling_factor=float(c.get("routed_scaling_factor") or 1.0),
                 moe_shared_expert_intermediate_size=shared * moe_ffn if shared else None, moe_shared_expert_gate=False,
-                moe_aux_loss_coeff=0.0, **_rope_args(c))
+                # training only: DeepSeek's balance loss (per sequence with seq_aux)
+                moe_aux_loss_coeff=float(c.get("aux_loss_alpha") or 0.0),
+                moe_router_load_balancing_type="seq_aux_loss" if c.get("seq_aux") else "aux_loss", **_rope_args(c))
 
 
 def hf_config(cfg, vocab: int, eod: Optional[int]) -> Dict:
