@@ -21,7 +21,7 @@ ROOT=$(cd "$(dirname "$0")/.." && pwd)
 EXTRA=("$@")
 source "$ROOT/pretrain_scripts/launcher.sh"
 
-MODEL_FAMILY=${MODEL_FAMILY:-gpt}        # gpt | llama | llama3 | qwen2 | qwen3 | mistral | mixtral | qwen2_moe | qwen3_moe
+MODEL_FAMILY=${MODEL_FAMILY:-gpt}        # gpt | llama | llama3 | qwen2 | qwen3 | mistral | mixtral | qwen2_moe | qwen3_moe | deepseek_v2
 MODEL_SIZE=${MODEL_SIZE:-tiny}           # tiny | 125m | 350m | 1.3b | ... (see --help)
 HF_MODEL=${HF_MODEL:-}                   # a Hugging Face model directory to start from (instead of MODEL_FAMILY/SIZE)
 # Where the run writes (checkpoints in OUTPUT/checkpoints, metrics, tensorboard, logs). A --save directory that

@@ -44,6 +44,10 @@ FAMILIES = {  # family: (extra flags, query groups the model has, tied)
     "qwen2": ([], HEADS, False),  # QKV biases; groups left at the default: one per head
     "llama": (["--num-query-groups", "2"], 2, False),
     "mistral": ([], HEADS, False),
+    # today's families (slow): Llama 3.x's RoPE scaling and Qwen3's q/k norms trained from scratch, exported
+    "llama3": (["--num-query-groups", "2", "--rope-scaling-original-max-position-embeddings", "16",
+                "--max-position-embeddings", str(SEQ)], 2, False),
+    "qwen3": (["--num-query-groups", "2", "--kv-channels", str(HIDDEN // HEADS)], 2, False),
 }
 LOGIT_TOLERANCE = 1e-5  # both fp32, the same operations: measured 0
 
@@ -87,7 +91,10 @@ def test_export_of_an_engine_trained_model_is_that_model(family, trained, tmp_pa
 
     config = json.load(open(os.path.join(out, "config.json")))
     _, groups, tied = FAMILIES[family]
-    assert config["model_type"] == family
+    assert config["model_type"] == {"llama3": "llama"}.get(family, family)
+    if family == "llama3":
+        assert config["rope_parameters"]["rope_type"] == "llama3"
+        assert config["rope_parameters"]["original_max_position_embeddings"] == 16
     assert config["rope_parameters"]["rope_theta"] == ROTARY_BASE
     assert config["rms_norm_eps"] == NORM_EPS
     assert config["intermediate_size"] == 4 * HIDDEN  # --ffn-hidden-size left at its default: the builder's 4 x hidden

@@ -44,6 +44,10 @@ def _trains_like(reference, run, what: str, weights: bool = True) -> None:
         assert any("q_layernorm" in k for k in w) == ("qwen3" in what or "deepseek" in what)
         for k, ref in ref_w.items():
             torch.testing.assert_close(w[k], ref, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{what} {k}: {m}")
+            if "self_attention." in k and "layernorm" in k:  # q/k/latent norms: tiny gradients, so their updates
+                # (from an init of ones) are compared relatively: a gradient doubled over TP ranks shows there
+                torch.testing.assert_close(w[k] - 1, ref - 1, rtol=1e-3, atol=1e-7,
+                                           msg=lambda m, k=k: f"{what} {k} (update): {m}")
 
 
 def _model_weights(checkpoint: str) -> dict:

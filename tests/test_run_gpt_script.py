@@ -204,3 +204,20 @@ def test_default_output_beside_an_earlier_runs_checkpoints(tmp_path):
     (tmp_path / "work_dirs" / "gpt_tiny_2" / "checkpoints" / "latest_checkpointed_iteration.txt").write_text("10")
     assert fresh()[0] == f"{base}_3"
     assert fresh(SAVE=str(tmp_path / "elsewhere"))[0] == str(base)  # SAVE chooses where checkpoints go
+
+
+@pytest.mark.slow  # CI time: each family's training is in the default lane through test_families_engine / test_moe
+@pytest.mark.parametrize("family", ["llama3", "qwen3", "qwen3_moe", "deepseek_v2"])
+def test_todays_family_presets_train_with_run_gpt_sh(family, tmp_path):
+    """MODEL_FAMILY=F MODEL_SIZE=tiny bash pretrain_scripts/run_gpt.sh: the tiny preset of each of today's families
+    trains (on the offline demo corpus) and its loss falls."""
+    env = dict(os.environ, MODEL_FAMILY=family, MODEL_SIZE="tiny", TRAIN_ITERS="30", LOG_INTERVAL="10",
+               EVAL_INTERVAL="30", OUTPUT=str(tmp_path / "out"), PYTHONWARNINGS="ignore")
+    for name in ("DATA_PATH", "GPUS", "TP", "PP", "HF_MODEL", "SAVE", "GBS", "WARMUP"):
+        env.pop(name, None)
+    proc = subprocess.run(["bash", os.path.join(ROOT, "pretrain_scripts", "run_gpt.sh"), "--lr", "3e-3"],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    losses = [float(x) for x in re.findall(r"iteration +\d+/\d+ \| loss ([\d.]+)", proc.stdout)]
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, (family, losses)
+    print(family, losses)

@@ -42,7 +42,7 @@ def build(family: str, size: str, tokenizer_dir: str, save_dir: str, seed: int =
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-family", required=True, help="an engine family with a Hugging Face equivalent: llama, "
-                   "llama3, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, gpt")
+                   "llama3, qwen2, qwen3, mistral, mixtral, qwen2_moe, qwen3_moe, deepseek_v2, gpt")
     p.add_argument("--model-size", default="tiny", help="a size preset of the family (default tiny)")
     p.add_argument("--tokenizer-dir", required=True, help="a Hugging Face tokenizer directory (tools/train_tokenizer.py "
                    "--type llama3|qwen makes one)")
