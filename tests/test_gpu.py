@@ -98,6 +98,27 @@ def test_moe_bf16_tracks_fp32(tmp_path):
         [x["moe_tokens_per_expert"] for x in lines if "moe_tokens_per_expert" in x][0]
 
 
+TODAY = {  # today's families on the GPU: Llama 3.x RoPE scaling, Qwen3's q/k norms, DeepSeek's multi-latent attention
+    "llama3": ["--model-family", "llama3", "--num-query-groups", "2"],
+    "qwen3": ["--model-family", "qwen3", "--num-query-groups", "2", "--kv-channels", "96"],
+    "deepseek_v2": ["--model-family", "deepseek_v2", "--model-size", "tiny", "--hidden-size", "256",
+                    "--q-lora-rank", "64", "--moe-aux-loss-coeff", "0.01"],
+}
+
+
+@pytest.mark.parametrize("family", list(TODAY))
+def test_todays_families_bf16_track_fp32(tmp_path, family):
+    """Each family trains on the GPU in bf16 as in fp32 (MLA through SDPA with values narrower than the keys), and
+    Qwen3 under --compile as eager."""
+    ref, _ = run_engine(tmp_path / "fp32", 1, *GPU, *TODAY[family])
+    lines, _ = run_engine(tmp_path / "bf16", 1, *GPU, *TODAY[family], "--bf16")
+    close(train_losses(lines), train_losses(ref), rel=2e-2)
+    assert train_losses(lines)[-1] < train_losses(lines)[0] - 0.3
+    if family == "qwen3":
+        compiled, _ = run_engine(tmp_path / "compiled", 1, *GPU, *TODAY[family], "--bf16", "--compile")
+        close(train_losses(compiled), train_losses(lines), rel=1e-2)
+
+
 FAST = ["--compile", "--compile-mode", "reduce-overhead", "--cross-entropy-loss-fusion", "--cross-entropy-fusion-impl",
         "triton", "--gradient-accumulation-fusion", "--optimizer-step-fusion"]
 
