@@ -65,12 +65,10 @@ REAL = {
                        num_hidden_layers=28, num_key_value_heads=8, rms_norm_eps=1e-06, rope_scaling=None,
                        rope_theta=1000000, sliding_window=None, tie_word_embeddings=True, use_sliding_window=False,
                        vocab_size=151936),
-    "Qwen3-8B": dict(_COMMON, architectures=["Qwen3ForCausalLM"], attention_bias=False, bos_token_id=151643,
-                     eos_token_id=151645, head_dim=128, hidden_size=4096, intermediate_size=12288,
-                     max_position_embeddings=40960, max_window_layers=36, model_type="qwen3", num_attention_heads=32,
-                     num_hidden_layers=36, num_key_value_heads=8, rms_norm_eps=1e-06, rope_scaling=None,
-                     rope_theta=1000000, sliding_window=None, tie_word_embeddings=False, use_sliding_window=False,
-                     vocab_size=151936),
+}
+REAL.update({
+    "Qwen3-8B": dict(REAL["Qwen3-0.6B"], hidden_size=4096, intermediate_size=12288, max_window_layers=36,
+                     num_attention_heads=32, num_hidden_layers=36, tie_word_embeddings=False),
     "Qwen3-30B-A3B": dict(_COMMON, architectures=["Qwen3MoeForCausalLM"], attention_bias=False, bos_token_id=151643,
                           decoder_sparse_step=1, eos_token_id=151645, head_dim=128, hidden_size=2048,
                           intermediate_size=6144, max_position_embeddings=40960, max_window_layers=48, mlp_only_layers=[],
@@ -92,7 +90,7 @@ REAL = {
                              rope_theta=10000, routed_scaling_factor=1.0, scoring_func="softmax", seq_aux=True,
                              tie_word_embeddings=False, topk_group=1, topk_method="greedy", v_head_dim=128,
                              vocab_size=102400),
-}
+})
 PRESET = {"Llama-3.1-8B": ("llama3", "8b"), "Llama-3.2-1B": ("llama3", "1b"), "Qwen2.5-0.5B": ("qwen2", "0.5b"),
           "Qwen2.5-7B": ("qwen2", "7b"), "Qwen3-0.6B": ("qwen3", "0.6b"), "Qwen3-8B": ("qwen3", "8b"),
           "Qwen3-30B-A3B": ("qwen3_moe", "30b-a3b"), "DeepSeek-V2-Lite": ("deepseek_v2", "lite")}

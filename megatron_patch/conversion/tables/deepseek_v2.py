@@ -26,14 +26,12 @@ from typing import Dict, List, Optional
 from ..family import Family
 from ..mapping import NO_Q_LORA, Q_LORA, SHARED_EXPERT, UNTIED, ConversionError, Rule, Table
 from ..transforms import FUSE_GATE_UP, PAD_VOCAB
-from . import llama
+from . import llama, qwen2_moe
 
 L = "decoder.layers.{i}."
 H = "model.layers.{i}."
 A = L + "self_attention."
 HA = H + "self_attn."
-E = "mlp.experts.local_experts.{e}."
-X = "mlp.experts.{e}."
 
 TABLE = Table("deepseek_v2", (
     Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), PAD_VOCAB),
@@ -50,10 +48,7 @@ TABLE = Table("deepseek_v2", (
     Rule(L + "mlp.linear_fc1.weight", (H + "mlp.gate_proj.weight", H + "mlp.up_proj.weight"), FUSE_GATE_UP,
          layers="dense"),
     Rule(L + "mlp.linear_fc2.weight", (H + "mlp.down_proj.weight",), layers="dense"),
-    Rule(L + "mlp.router.weight", (H + "mlp.gate.weight",), layers="moe"),
-    Rule(L + E + "linear_fc1.weight", (H + X + "gate_proj.weight", H + X + "up_proj.weight"), FUSE_GATE_UP,
-         layers="moe"),
-    Rule(L + E + "linear_fc2.weight", (H + X + "down_proj.weight",), layers="moe"),
+    *qwen2_moe.ROUTED,
     Rule(L + "mlp.shared_experts.linear_fc1.weight",
          (H + "mlp.shared_experts.gate_proj.weight", H + "mlp.shared_experts.up_proj.weight"), FUSE_GATE_UP,
          when=SHARED_EXPERT, layers="moe"),

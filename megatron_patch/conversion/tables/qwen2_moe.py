@@ -32,11 +32,14 @@ X = "mlp.experts.{e}."
 # Qwen2's rules (the llama table's); its MLP rules apply to the dense layers only
 QWEN2 = tuple(dataclasses.replace(r, layers="dense") if ".mlp." in r.mcore else r for r in llama.TABLE.rules)
 
-TABLE = Table("qwen2_moe", QWEN2 + (
+# The router and routed experts of a sparse layer, as transformers saves them (Qwen2/3-MoE, DeepSeek-V2)
+ROUTED = (
     Rule(L + "mlp.router.weight", (H + "mlp.gate.weight",), layers="moe"),
     Rule(L + E + "linear_fc1.weight", (H + X + "gate_proj.weight", H + X + "up_proj.weight"), FUSE_GATE_UP,
          layers="moe"),
     Rule(L + E + "linear_fc2.weight", (H + X + "down_proj.weight",), layers="moe"),
+)
+TABLE = Table("qwen2_moe", QWEN2 + ROUTED + (
     Rule(L + "mlp.shared_experts.linear_fc1.weight",
          (H + "mlp.shared_expert.gate_proj.weight", H + "mlp.shared_expert.up_proj.weight"), FUSE_GATE_UP,
          when=SHARED_EXPERT, layers="moe"),
