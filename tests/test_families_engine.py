@@ -6,7 +6,8 @@ and each tensor-parallel rank normalises its own heads, so their gradients must 
 sequence parallelism, whose scatter they never see). A tiny Qwen3 (GQA 4 heads / 2 groups, head dimension 24 !=
 64 / 4, --init-layout-invariant) at TP2 with sequence parallelism: the same losses, gradient norms (1e-5) and
 weights after 5 steps as on one process, in the scale-sensitive setting where a wrong gradient scale reaches the
-weights. The slow lane adds Llama 3.x (RoPE scaling) at TP2 x PP2 and Qwen3-MoE at EP2 against EP1.
+weights. Multi-latent attention (DeepSeek-V2) at TP2, and with sequence parallelism. The slow lane adds Llama 3.x
+(RoPE scaling) at TP2 x PP2, and Qwen3-MoE and DeepSeek-V2 at EP2 against EP1.
 """
 import os
 
@@ -76,10 +77,12 @@ def test_llama3_at_tp2_pp2_trains_like_one_process(tmp_path):
 
 
 @pytest.mark.slow
-def test_qwen3_moe_at_ep2_trains_like_ep1(tmp_path):
-    reference = _run(tmp_path, "ep1", 2, *QWEN3_MOE)
-    run = _run(tmp_path, "ep2", 2, *QWEN3_MOE, "--expert-model-parallel-size", "2")
-    _trains_like(reference, run, "qwen3_moe EP2")
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v2"])
+def test_moe_families_at_ep2_train_like_ep1(family, tmp_path):
+    model = QWEN3_MOE if family == "qwen3_moe" else DEEPSEEK
+    reference = _run(tmp_path, "ep1", 2, *model)
+    run = _run(tmp_path, "ep2", 2, *model, "--expert-model-parallel-size", "2")
+    _trains_like(reference, run, f"{family} EP2")
 
 
 @pytest.mark.parametrize("model,layout", [

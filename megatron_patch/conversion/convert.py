@@ -138,7 +138,15 @@ def run_workers(nproc: int, task_args: List[str]) -> int:
             return FAILED_VERIFY
         if proc.returncode != 0 or len(reports) < nproc:  # a worker died without saying why: show its log
             err.seek(0)
-            print(err.read()[-6000:], file=sys.stderr)
+            log = err.read()
+            print(log[-6000:], file=sys.stderr)
+            if "Signal 9 (SIGKILL)" in log:  # the kernel's out-of-memory killer, most often
+                verifying = task_args[:1] == ["verify"]
+                print("conversion error: a worker was killed (SIGKILL), most likely out of host memory"
+                      + (": --verify holds the Hugging Face model and the converted one in fp32 at once; convert with "
+                         "--no-verify on this machine, or verify where memory allows" if verifying else
+                         ": the conversion holds about one copy of the model plus one tensor; free memory or use a "
+                         "larger machine"), file=sys.stderr)
             return proc.returncode or 1
     return OK
 
