@@ -219,5 +219,5 @@ def test_todays_family_presets_train_with_run_gpt_sh(family, tmp_path):
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     losses = [float(x) for x in re.findall(r"iteration +\d+/\d+ \| loss ([\d.]+)", proc.stdout)]
-    assert len(losses) == 3 and losses[-1] < losses[0] - 0.5, (family, losses)
+    assert len(losses) == 3 and losses[-1] < losses[0] - 0.2, (family, losses)
     print(family, losses)
