@@ -27,20 +27,10 @@ MOE_LAYOUTS = {"TP1 EP1": ("1", "1", "1"), "TP2 (one KV group per rank)": ("2", 
 FAMILIES = ("llama3", "qwen2", "qwen3", "qwen3_moe", "deepseek_v2")
 
 
-def _generate(model_dir: str):
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ids = torch.tensor([[5, 17, 256, 999]])
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-
-
 def main() -> int:
     import torch
-    from conversion_utils import MOE_FAMILIES, assert_same_tensors, read_safetensors_dir, run_convert, save_hf_model
+    from conversion_utils import (MOE_FAMILIES, assert_same_tensors, generate, read_safetensors_dir, run_convert,
+                                  save_hf_model)
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--families", nargs="+", default=list(FAMILIES))
@@ -50,7 +40,7 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="conversion_matrix_") as work:
         for family in a.families:
             src = save_hf_model(family, os.path.join(work, family))
-            reference = _generate(src)
+            reference = generate(src, max_new_tokens=8)
             layouts = MOE_LAYOUTS if family in MOE_FAMILIES else DENSE_LAYOUTS
             for name, (tp, pp, ep) in layouts.items():
                 t0 = time.time()
@@ -69,7 +59,7 @@ def main() -> int:
                             exact = "bit-exact"
                         except AssertionError as e:
                             exact = f"DIFFERS ({str(e)[:60]})"
-                        generates = "same tokens" if torch.equal(_generate(out), reference) else "DIFFERENT"
+                        generates = "same tokens" if torch.equal(generate(out, max_new_tokens=8), reference) else "DIFFERENT"
                     else:
                         exact = "EXPORT FAILED"
                 ok = verify[0] != "FAILED" and exact == "bit-exact" and generates == "same tokens"

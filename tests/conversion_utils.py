@@ -128,6 +128,17 @@ def save_hf_model(name: str, path: str, seed: int = 0) -> str:
     return path
 
 
+def generate(model_dir: str, max_new_tokens: int = 5) -> torch.Tensor:
+    """transformers' greedy continuation of a fixed prompt by the model in `model_dir` (export = original's?)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    ids = torch.tensor([[5, 17, 256, 999]])
+    with torch.no_grad():
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+
+
 # -------------------------------------------------------------------------------------------- the CLI
 
 LAYOUTS = {"tp1pp1": (1, 1), "tp2pp1": (2, 1), "tp1pp2": (1, 2), "tp2pp2": (2, 2)}

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from typing import Dict, List
 
+import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -181,3 +182,19 @@ if __name__ == "__main__":  # run_counting_forwards_together: engine_utils.py --
             os.environ.clear()  # the environment of a fresh process (initialize() records its rank and port there)
             os.environ.update(launch_env)
             _count_forwards_main(job["counts"], job["argv"])
+
+
+def assert_trains_like(reference, lines: List[dict], weights: Dict[str, torch.Tensor]) -> None:
+    """`reference`: (metrics lines, weights) of the single-process run. Same losses and gradient norm at each of the
+    5 steps (1e-5 relative) and same weights after them."""
+    ref_lines, ref_weights = reference
+    losses, ref_losses = train_losses(lines), train_losses(ref_lines)
+    assert len(losses) == len(ref_losses) == 5
+    assert losses[-1] < losses[0]  # it learns
+    assert losses == pytest.approx(ref_losses, rel=1e-5)
+    norms, ref_norms = per_iteration(lines, "grad_norm"), per_iteration(ref_lines, "grad_norm")
+    assert all(n > 0 for n in ref_norms)
+    assert norms == pytest.approx(ref_norms, rel=1e-5)
+    assert set(weights) == set(ref_weights)
+    for k, w in ref_weights.items():
+        torch.testing.assert_close(weights[k], w, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")

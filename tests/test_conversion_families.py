@@ -30,7 +30,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conversion_utils import (  # noqa: E402
-    FAMILIES, LAYOUTS, VOCAB, assert_no_staging_dirs, assert_same_tensors, build_hf_model, explain, files_under,
+    FAMILIES, LAYOUTS, VOCAB, assert_no_staging_dirs, assert_same_tensors, build_hf_model, explain, files_under, generate,
     layout_flags, manifest, padded_vocab, planted_environment, read_safetensors_dir, run_convert, save_hf_model, vocab_flags,
 )
 from engine_utils import run_engine  # noqa: E402
@@ -84,16 +84,6 @@ def converted(tmp_path_factory, hf_dir):
     return Converted(tmp_path_factory.mktemp("converted"), hf_dir)
 
 
-def _generate(model_dir: str) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ids = torch.tensor([[5, 17, 256, 999]])
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-
-
 def assert_loads_and_generates(original: str, exported: str) -> None:
     """The exported config.json is the original model's (class, shapes, tie, dtype), and the exported
     model, loaded by transformers, generates exactly what the original generates."""
@@ -105,9 +95,9 @@ def assert_loads_and_generates(original: str, exported: str) -> None:
                 "head_dim", "intermediate_size", "n_inner", "tie_word_embeddings", "max_position_embeddings",
                 "activation_function", "hidden_act", "rms_norm_eps", "layer_norm_epsilon", "dtype"):
         assert getattr(got, key, None) == getattr(want, key, None), f"{exported}/config.json: {key}"
-    out = _generate(exported)
+    out = generate(exported)
     assert out.shape == (1, 9)
-    assert torch.equal(out, _generate(original)), "the export generates other tokens than the original"
+    assert torch.equal(out, generate(original)), "the export generates other tokens than the original"
 
 
 # ----------------------------------------------------------------------------------------------- matrix
@@ -156,7 +146,7 @@ def _export_and_check_trained(ck: str, original_dir: str, out: str, dtype: torch
         assert exported[name].shape == t.shape and exported[name].dtype == dtype, name
         if t.dim() == 2:
             assert not torch.equal(exported[name].to(t.dtype), t), f"{name}: training did not change it"
-    _generate(out)
+    generate(out)
 
 
 @pytest.mark.slow

@@ -24,7 +24,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from conversion_utils import (  # noqa: E402
-    FAMILIES, assert_same_tensors, explain, manifest, read_safetensors_dir, run_convert, save_hf_model,
+    FAMILIES, assert_same_tensors, explain, generate, manifest, read_safetensors_dir, run_convert, save_hf_model,
 )
 
 from megatron_patch.config import Config, parse_args  # noqa: E402
@@ -248,16 +248,6 @@ FAST = [("llama3", "2", "1", "1"), ("qwen3", "1", "2", "1"), ("qwen3_moe", "2", 
         ("deepseek_v2", "2", "1", "2")]  # (family, TP, PP, EP)
 
 
-def _generate(model_dir: str) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
-    ids = torch.tensor([[5, 17, 256, 999]])
-    with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)
-
-
 @pytest.mark.parametrize("family,tp,pp,ep", FAST, ids=[f[0] for f in FAST])
 def test_each_family_converts_verifies_and_comes_back_bit_for_bit(family, tp, pp, ep, tmp_path):
     src = save_hf_model(family, str(tmp_path / "hf"))
@@ -274,4 +264,4 @@ def test_each_family_converts_verifies_and_comes_back_bit_for_bit(family, tp, pp
     assert proc.returncode == 0, explain(proc)
     assert_same_tensors(read_safetensors_dir(src), read_safetensors_dir(out), f"{family}: {out}")
     if family in FAMILIES:  # dense: the export generates what the original generates (MoE: test_conversion_moe)
-        assert torch.equal(_generate(out), _generate(src))
+        assert torch.equal(generate(out), generate(src))

@@ -13,9 +13,8 @@ momentum SGD), so such an error also reaches the weights and the losses.
 import os
 
 import pytest
-import torch
 
-from engine_utils import full_weights, per_iteration, run_engine, train_losses
+from engine_utils import assert_trains_like, full_weights, per_iteration, run_engine
 
 # optimizer settings of a reference run -> extra flags
 SETTINGS = {
@@ -76,21 +75,6 @@ def test_layout_matches_single_process(name, references, tmp_path):
     nproc, args, settings = LAYOUTS[name]
     lines, _ = run_engine(tmp_path, nproc, *args, *SETTINGS[settings], "--save", str(tmp_path / "ckpt"))
     assert_trains_like(references(settings), lines, full_weights(str(tmp_path / "ckpt" / "iter_0000005")))
-
-
-def assert_trains_like(reference, lines, weights):
-    """Same losses and gradient norm at each of the 5 steps (1e-5 relative) and same weights after them."""
-    ref_lines, ref_weights = reference
-    losses, ref_losses = train_losses(lines), train_losses(ref_lines)
-    assert len(losses) == len(ref_losses) == 5
-    assert losses[-1] < losses[0]  # it learns
-    assert losses == pytest.approx(ref_losses, rel=1e-5)
-    norms, ref_norms = per_iteration(lines, "grad_norm"), per_iteration(ref_lines, "grad_norm")
-    assert all(n > 0 for n in ref_norms)
-    assert norms == pytest.approx(ref_norms, rel=1e-5)
-    assert set(weights) == set(ref_weights)
-    for k, w in ref_weights.items():
-        torch.testing.assert_close(weights[k], w, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.mark.parametrize("settings", list(SETTINGS))

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from engine_utils import full_weights, per_iteration, run_engine, train_losses
+from engine_utils import assert_trains_like, full_weights, run_engine
 
 QWEN3 = ["--model-family", "qwen3", "--num-query-groups", "2", "--kv-channels", "24", "--clip-grad", "0",
          "--adam-eps", "1", "--lr", "0.1"]
@@ -32,23 +32,18 @@ QWEN3_MOE = ["--model-family", "qwen3_moe", "--num-query-groups", "2", "--kv-cha
              "--moe-router-topk", "2", "--moe-ffn-hidden-size", "48", "--moe-aux-loss-coeff", "0.01"]
 
 
-def _trains_like(reference, run, what: str, weights: bool = True) -> None:
+def _trains_like(reference, run, what: str) -> None:
+    """test_engine_parallel's assert_trains_like on the model's weights, and the q/k/latent norms' updates (from an
+    init of ones) compared relatively: their gradients are tiny, so one doubled over TP ranks stays under the
+    weights' absolute tolerance."""
     (ref_lines, ref_ck), (lines, ck) = reference, run
-    losses, ref_losses = train_losses(lines), train_losses(ref_lines)
-    assert len(losses) == len(ref_losses) == 5, what
-    assert ref_losses[-1] < ref_losses[0], (what, ref_losses)  # it learns
-    assert losses == pytest.approx(ref_losses, rel=1e-5), what
-    assert per_iteration(lines, "grad_norm") == pytest.approx(per_iteration(ref_lines, "grad_norm"), rel=1e-5), what
-    if weights:
-        ref_w, w = (_model_weights(os.path.join(c, "iter_0000005")) for c in (ref_ck, ck))
-        assert set(w) == set(ref_w)
-        assert any("q_layernorm" in k for k in w) == ("qwen3" in what or "deepseek" in what)
-        for k, ref in ref_w.items():
-            torch.testing.assert_close(w[k], ref, rtol=1e-5, atol=1e-5, msg=lambda m, k=k: f"{what} {k}: {m}")
-            if "self_attention." in k and "layernorm" in k:  # q/k/latent norms: tiny gradients, so their updates
-                # (from an init of ones) are compared relatively: a gradient doubled over TP ranks shows there
-                torch.testing.assert_close(w[k] - 1, ref - 1, rtol=1e-3, atol=1e-7,
-                                           msg=lambda m, k=k: f"{what} {k} (update): {m}")
+    ref_w, w = (_model_weights(os.path.join(c, "iter_0000005")) for c in (ref_ck, ck))
+    assert_trains_like((ref_lines, ref_w), lines, w)
+    assert any("q_layernorm" in k for k in w) == ("qwen3" in what or "deepseek" in what)
+    for k, ref in ref_w.items():
+        if "self_attention." in k and "layernorm" in k:
+            torch.testing.assert_close(w[k] - 1, ref - 1, rtol=1e-3, atol=1e-7,
+                                       msg=lambda m, k=k: f"{what} {k} (update): {m}")
 
 
 def _model_weights(checkpoint: str) -> dict:

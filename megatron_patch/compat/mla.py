@@ -8,6 +8,8 @@ norm at all; the plain projection the spec names is the right one.
 """
 from __future__ import annotations
 
+import torch
+
 from .registry import original, register, replace
 
 _RESOLVER = "megatron/core/transformer/mla_qk_norm_config.py:QKNormConfigResolver."
@@ -37,29 +39,21 @@ def mla_query_projection_without_norm() -> None:
     replace(resolver, "_resolve_mla_qk_layernorm", resolve)
 
 
-class _SumRotaryGrads:
-    """Identity forward; backward sums the last `rope_dim` channels' gradient over the TP group (built on first use:
-    importing compat must not import torch.autograd's Function into every process's start-up path needlessly)."""
+class _SumRotaryGrads(torch.autograd.Function):
+    """Identity forward; backward sums the last `rope_dim` channels' gradient over the TP group `group`."""
 
     @staticmethod
-    def function():
-        import torch
+    def forward(ctx, t, rope_dim: int, group):
+        ctx.rope_dim, ctx.group = rope_dim, group
+        return t.view_as(t)
 
-        class SumRotaryGrads(torch.autograd.Function):
-            @staticmethod
-            def forward(ctx, t, rope_dim: int, group):
-                ctx.rope_dim, ctx.group = rope_dim, group
-                return t.view_as(t)
-
-            @staticmethod
-            def backward(ctx, grad):
-                grad = grad.clone()
-                part = grad[..., -ctx.rope_dim:].contiguous()
-                torch.distributed.all_reduce(part, group=ctx.group)
-                grad[..., -ctx.rope_dim:] = part
-                return grad, None, None
-
-        return SumRotaryGrads
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        part = grad[..., -ctx.rope_dim:].contiguous()
+        torch.distributed.all_reduce(part, group=ctx.group)
+        grad[..., -ctx.rope_dim:] = part
+        return grad, None, None
 
 
 @register(upstream=("megatron/core/transformer/multi_latent_attention.py:MLASelfAttention._qkv_down_projection",
@@ -77,7 +71,6 @@ def mla_rotary_key_gradient_over_tp() -> None:
     from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 
     upstream = original(MLASelfAttention, "_qkv_down_projection")
-    sum_rotary_grads = _SumRotaryGrads.function()
 
     def down_projection(self, hidden_states):
         q_compressed, kv_combined = upstream(self, hidden_states)
@@ -87,7 +80,7 @@ def mla_rotary_key_gradient_over_tp() -> None:
             if self.config.sequence_parallel:
                 kv_combined = scatter_to_sequence_parallel_region(kv_combined)  # megatron-core then gathers the key
             else:
-                kv_combined = sum_rotary_grads.apply(kv_combined, self.config.qk_pos_emb_head_dim, self.tp_group)
+                kv_combined = _SumRotaryGrads.apply(kv_combined, self.config.qk_pos_emb_head_dim, self.tp_group)
         return q_compressed, kv_combined
 
     replace(MLASelfAttention, "_qkv_down_projection", down_projection)

@@ -24,9 +24,7 @@ def build(family: str, size: str, tokenizer_dir: str, save_dir: str, seed: int =
     from . import tables
 
     cfg = parse_args(["--model-family", family, "--model-size", size, "--mock-data", "--vocab-size", "8"])
-    if max_position_embeddings:
-        cfg = cfg.replace(max_position_embeddings=max_position_embeddings)
-    cfg = cfg.replace(max_position_embeddings=cfg.max_position_embeddings or 4096)
+    cfg = cfg.replace(max_position_embeddings=max_position_embeddings or cfg.max_position_embeddings or 4096)
     tok = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     eod = tok.eos_token_id
     config = tables.for_engine(cfg).hf_config(cfg, len(tok), eod)

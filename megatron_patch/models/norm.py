@@ -10,16 +10,20 @@ from __future__ import annotations
 import torch
 
 
+def torch_norm(config, hidden_size: int, eps: float) -> torch.nn.Module:
+    """torch's LayerNorm or RMSNorm, as the model's `normalization` says."""
+    if config.normalization == "LayerNorm":
+        return torch.nn.LayerNorm(hidden_size, eps=eps)
+    if config.normalization == "RMSNorm":
+        return torch.nn.RMSNorm(hidden_size, eps=eps)
+    raise ValueError(f"normalization {config.normalization!r}: choose LayerNorm or RMSNorm")
+
+
 class SequenceParallelNorm:
     """Factory with WrappedTorchNorm's signature returning a marked torch norm module."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
-        if config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, eps=eps)
-        elif config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, eps=eps)
-        else:
-            raise ValueError(f"normalization {config.normalization!r}: choose LayerNorm or RMSNorm")
+        norm = torch_norm(config, hidden_size, eps)
         for p in norm.parameters():
             p.sequence_parallel = bool(config.sequence_parallel)
         return norm
@@ -32,11 +36,7 @@ class HeadNorm:
     (each rank normalises its own heads with the shared weight)."""
 
     def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):
-        if config.normalization == "LayerNorm":
-            return torch.nn.LayerNorm(hidden_size, eps=eps)
-        if config.normalization == "RMSNorm":
-            return torch.nn.RMSNorm(hidden_size, eps=eps)
-        raise ValueError(f"normalization {config.normalization!r}: choose LayerNorm or RMSNorm")
+        return torch_norm(config, hidden_size, eps)
 
 
 class LatentNorm:

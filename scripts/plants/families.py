@@ -57,11 +57,12 @@ PLANTS = [
 ]
 PLANTS += [
     dict(name="qk-norm-grads-averaged-over-tp", file="megatron_patch/models/norm.py",
-         original='        if config.normalization == "RMSNorm":\n            return torch.nn.RMSNorm(hidden_size, eps=eps)\n'
-                  '        raise ValueError(f"normalization {config.normalization!r}: choose LayerNorm or RMSNorm")',
-         replacement='        if config.normalization == "RMSNorm":\n            norm = torch.nn.RMSNorm(hidden_size, eps=eps)\n'
-                     '            norm.weight.average_gradients_across_tp_domain = True\n            return norm\n'
-                     '        raise ValueError(f"normalization {config.normalization!r}: choose LayerNorm or RMSNorm")',
+         original="    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):\n"
+                  "        return torch_norm(config, hidden_size, eps)\n",
+         replacement="    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **unused):\n"
+                     "        norm = torch_norm(config, hidden_size, eps)\n"
+                     "        norm.weight.average_gradients_across_tp_domain = True\n"
+                     "        return norm\n",
          property="the per-head q/k norms' gradients are summed over the TP group (each rank's heads contribute), not "
                   "averaged",
          tests=["tests/test_families_engine.py::test_qwen3_at_tp2_with_sequence_parallelism_trains_like_one_process"]),

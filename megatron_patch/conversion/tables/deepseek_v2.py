@@ -153,8 +153,8 @@ def hf_config(cfg, vocab: int, eod: Optional[int]) -> Dict:
     if g("moe_shared_expert_gate") or not g("moe_router_pre_softmax"):
         raise ConversionError("this model is not a DeepSeek-V2: its shared experts have no gate and its router takes "
                               "the softmax over all experts (--moe-router-pre-softmax)")
+    pattern = qwen2_moe.moe_pattern(g)
     layers, freq = g("num_layers"), g("moe_layer_freq")
-    pattern = [int(i % freq == 0) for i in range(layers)] if isinstance(freq, int) else list(freq)
     dense = pattern.index(1) if 1 in pattern else layers
     if pattern != [0] * dense + [1] * (layers - dense):
         raise ConversionError(f"--moe-layer-freq {freq}: DeepSeek-V2 has its dense layers first, then experts in "

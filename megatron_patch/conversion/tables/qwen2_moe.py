@@ -85,65 +85,52 @@ def engine_args(c: Dict) -> Dict:
     return args
 
 
-def hf_config(cfg, vocab: int, eod: Optional[int]) -> Dict:
-    """config.json of the engine model `cfg` (a Config or its dict); `eod` as in gpt2.hf_config."""
-    g = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
-    if g("model_family") == "qwen3_moe" or g("qk_layernorm"):
-        return qwen3_moe_config(g, vocab, eod)
-    from transformers import Qwen2MoeConfig
-
-    if not (g("moe_shared_expert_intermediate_size") and g("moe_shared_expert_gate")):
-        raise ConversionError("this model is not a Qwen2-MoE: Qwen2-MoE has a shared expert with a sigmoid gate "
-                              "(--moe-shared-expert-intermediate-size, --moe-shared-expert-gate)")
+def moe_pattern(g) -> List[int]:
+    """1 for each layer with experts, 0 for a dense one, of the engine model read by `g` (--moe-layer-freq)."""
     layers, freq = g("num_layers"), g("moe_layer_freq")
-    pattern = [int(i % freq == 0) for i in range(layers)] if isinstance(freq, int) else list(freq)
-    heads, hidden = g("num_attention_heads"), g("hidden_size")
-    head_dim = g("kv_channels") or hidden // heads
-    c = Qwen2MoeConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=g("ffn_hidden_size") or 4 * hidden,
-                       num_hidden_layers=layers, num_attention_heads=heads,
-                       num_key_value_heads=g("num_query_groups") or heads,
-                       max_position_embeddings=g("max_position_embeddings"), rms_norm_eps=g("norm_epsilon"),
-                       tie_word_embeddings=not g("untie_embeddings_and_output_weights"),
-                       rope_parameters={"rope_type": "default", "rope_theta": float(g("rotary_base"))},
-                       attention_dropout=g("attention_dropout"), decoder_sparse_step=1,
-                       mlp_only_layers=[i for i, on in enumerate(pattern) if not on],
-                       moe_intermediate_size=g("moe_ffn_hidden_size") or g("ffn_hidden_size"),
-                       shared_expert_intermediate_size=g("moe_shared_expert_intermediate_size"),
-                       num_experts=g("num_experts"), num_experts_per_tok=g("moe_router_topk"),
-                       norm_topk_prob=not g("moe_router_pre_softmax"), router_aux_loss_coef=g("moe_aux_loss_coeff"),
-                       qkv_bias=bool(g("add_qkv_bias")), hidden_act="silu", bos_token_id=eod, eos_token_id=eod,
-                       architectures=["Qwen2MoeForCausalLM"])
-    if head_dim * heads != hidden:
-        c.head_dim = head_dim  # Qwen2MoeAttention reads it when present
-    return c.to_dict()
+    return [int(i % freq == 0) for i in range(layers)] if isinstance(freq, int) else list(freq)
 
 
-def qwen3_moe_config(g, vocab: int, eod: Optional[int]) -> Dict:
-    """config.json of a Qwen3-MoE engine model read by `g`."""
-    from transformers import Qwen3MoeConfig
-
-    if g("moe_shared_expert_intermediate_size"):
+def hf_config(cfg, vocab: int, eod: Optional[int]) -> Dict:
+    """config.json of the engine model `cfg` (a Config or its dict), a Qwen2-MoE or (q/k norms, or named so) a
+    Qwen3-MoE; `eod` as in gpt2.hf_config."""
+    g = cfg.get if isinstance(cfg, dict) else lambda k: getattr(cfg, k)
+    qwen3 = g("model_family") == "qwen3_moe" or g("qk_layernorm")
+    if qwen3 and g("moe_shared_expert_intermediate_size"):
         raise ConversionError("this model is not a Qwen3-MoE: Qwen3-MoE has no shared expert "
                               "(--moe-shared-expert-intermediate-size)")
-    if not g("qk_layernorm") or g("add_qkv_bias"):
+    if qwen3 and (not g("qk_layernorm") or g("add_qkv_bias")):
         raise ConversionError("this model is not a Qwen3-MoE: Qwen3's attention normalises each query and key head "
                               "(--qk-layernorm) and has no QKV bias (--add-qkv-bias)")
-    layers, freq = g("num_layers"), g("moe_layer_freq")
-    pattern = [int(i % freq == 0) for i in range(layers)] if isinstance(freq, int) else list(freq)
-    heads = g("num_attention_heads")
-    c = Qwen3MoeConfig(vocab_size=vocab, hidden_size=g("hidden_size"),
-                       intermediate_size=g("ffn_hidden_size") or 4 * g("hidden_size"), num_hidden_layers=layers,
-                       num_attention_heads=heads, num_key_value_heads=g("num_query_groups") or heads,
-                       head_dim=g("kv_channels") or g("hidden_size") // heads,
-                       max_position_embeddings=g("max_position_embeddings"), rms_norm_eps=g("norm_epsilon"),
-                       tie_word_embeddings=not g("untie_embeddings_and_output_weights"),
-                       rope_parameters={"rope_type": "default", "rope_theta": float(g("rotary_base"))},
-                       attention_dropout=g("attention_dropout"), decoder_sparse_step=1, attention_bias=False,
-                       mlp_only_layers=[i for i, on in enumerate(pattern) if not on],
-                       moe_intermediate_size=g("moe_ffn_hidden_size") or g("ffn_hidden_size"),
-                       num_experts=g("num_experts"), num_experts_per_tok=g("moe_router_topk"),
-                       norm_topk_prob=not g("moe_router_pre_softmax"), router_aux_loss_coef=g("moe_aux_loss_coeff"),
-                       hidden_act="silu", bos_token_id=eod, eos_token_id=eod, architectures=["Qwen3MoeForCausalLM"])
+    if not qwen3 and not (g("moe_shared_expert_intermediate_size") and g("moe_shared_expert_gate")):
+        raise ConversionError("this model is not a Qwen2-MoE: Qwen2-MoE has a shared expert with a sigmoid gate "
+                              "(--moe-shared-expert-intermediate-size, --moe-shared-expert-gate)")
+    pattern = moe_pattern(g)
+    heads, hidden = g("num_attention_heads"), g("hidden_size")
+    head_dim = g("kv_channels") or hidden // heads
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=g("ffn_hidden_size") or 4 * hidden,
+                  num_hidden_layers=g("num_layers"), num_attention_heads=heads,
+                  num_key_value_heads=g("num_query_groups") or heads,
+                  max_position_embeddings=g("max_position_embeddings"), rms_norm_eps=g("norm_epsilon"),
+                  tie_word_embeddings=not g("untie_embeddings_and_output_weights"),
+                  rope_parameters={"rope_type": "default", "rope_theta": float(g("rotary_base"))},
+                  attention_dropout=g("attention_dropout"), decoder_sparse_step=1,
+                  mlp_only_layers=[i for i, on in enumerate(pattern) if not on],
+                  moe_intermediate_size=g("moe_ffn_hidden_size") or g("ffn_hidden_size"),
+                  num_experts=g("num_experts"), num_experts_per_tok=g("moe_router_topk"),
+                  norm_topk_prob=not g("moe_router_pre_softmax"), router_aux_loss_coef=g("moe_aux_loss_coeff"),
+                  hidden_act="silu", bos_token_id=eod, eos_token_id=eod)
+    if qwen3:
+        from transformers import Qwen3MoeConfig
+
+        return Qwen3MoeConfig(**common, head_dim=head_dim, attention_bias=False,
+                              architectures=["Qwen3MoeForCausalLM"]).to_dict()
+    from transformers import Qwen2MoeConfig
+
+    c = Qwen2MoeConfig(**common, shared_expert_intermediate_size=g("moe_shared_expert_intermediate_size"),
+                       qkv_bias=bool(g("add_qkv_bias")), architectures=["Qwen2MoeForCausalLM"])
+    if head_dim * heads != hidden:
+        c.head_dim = head_dim  # Qwen2MoeAttention reads it when present
     return c.to_dict()
 
 
