@@ -198,6 +198,29 @@ def training_data(c: Config) -> Optional[str]:
         return "--data-path needs --tokenizer-type (and its --vocab-file/--merge-file/--tokenizer-model)"
 
 
+@rule("data")
+def sft_data(c: Config) -> Optional[str]:
+    if not c.sft:
+        if not c.pack_sequences:
+            return "--no-pack-sequences applies to --sft data (pretraining samples are always --seq-length tokens)"
+        return None
+    if c.mock_data:
+        return "--sft trains on chat data from tools/preprocess_data.py --sft: pass --data-path PREFIX_text_document, not --mock-data"
+    if len(c.data_path) != 1:
+        return (f"--sft takes one --data-path prefix (got {len(c.data_path)} values); put the conversations in one "
+                f"preprocess_data.py --sft run (its --input takes a directory or a glob)")
+    if not c.data_path[0].endswith("_text_document"):
+        return (f"--sft --data-path {c.data_path[0]}: give the PREFIX_text_document that preprocess_data.py --sft "
+                f"wrote (its PREFIX_loss_mask_document is found next to it)")
+    if c.pack_sequences and c.multi_latent_attention:
+        return "--sft packed sequences are not supported with multi-latent attention yet; use --no-pack-sequences"
+    if c.pack_sequences and c.position_embedding_type != "rope":
+        return ("--sft packed sequences restart positions per conversation through RoPE; a learned_absolute model "
+                "needs --no-pack-sequences")
+    if c.zero_stage == 2:
+        return "--sft with --zero-2-memory-optimization (Megatron-FSDP) is not supported yet: use --zero-1-memory-optimization"
+
+
 @rule("checkpoint")
 def checkpoint_flags(c: Config) -> Optional[str]:
     if c.keep_last_n is not None and c.keep_last_n < 1:

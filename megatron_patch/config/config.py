@@ -168,6 +168,11 @@ class DataConfig:
     data_iterator: str = "fixed-shape"
     data_cache_path: Optional[str] = None
     eod_mask_loss: bool = False
+    # Supervised fine-tuning on preprocess_data.py --sft data: loss on assistant tokens, per token over the global
+    # batch; conversations packed into --seq-length samples (attention and positions per conversation) or padded
+    sft: bool = False
+    pack_sequences: bool = True
+    calculate_per_token_loss: bool = False  # resolve(): on with --sft
     num_workers: int = 0
     micro_batch_size: int = 1
     global_batch_size: Optional[int] = None  # resolve(): micro batch x data-parallel size when not given

@@ -30,6 +30,7 @@ ENGINE = frozenset({GPT, BERT})  # the engine's entry points: their defaults are
 ALL = frozenset(ENTRY_NAMES)
 FRONT = frozenset({RAPIDFORMER})
 BERT_ONLY = frozenset({BERT})
+GPT_ONLY = frozenset({GPT})
 
 STORE_TRUE, STORE_FALSE = "store_true", "store_false"
 _SAME = object()  # a Front field left as the engine's
@@ -352,6 +353,13 @@ FLAGS: Tuple[Flag, ...] = (
            "reduce-overhead/max-autotune)"),
         _f("--mmap-warmup", STORE_TRUE, FRONT, "read the whole mmap corpus once at start"),
         _f("--eod-mask-loss", STORE_TRUE, ALL, "pretraining: no loss on end-of-document tokens"),
+        _f("--sft", STORE_TRUE, GPT_ONLY, "supervised fine-tuning on the chat data of tools/preprocess_data.py --sft "
+           "(--data-path PREFIX_text_document): loss on the assistant tokens only, per token over the global batch"),
+        _f("--no-pack-sequences", STORE_FALSE, GPT_ONLY, "--sft: one conversation per sample, padded to --seq-length "
+           "(default: several conversations packed per sample, each attending and counting positions on its own)",
+           dest="pack_sequences"),
+        _f("--calculate-per-token-loss", STORE_TRUE, GPT_ONLY, "average the loss over the tokens of the whole global "
+           "batch instead of per micro batch (on with --sft)"),
         _f("--reset-position-ids", STORE_TRUE, FRONT, "pretraining: positions restart after each end-of-document "
            "token"),
         _f("--reset-attention-mask", STORE_TRUE, FRONT, "pretraining: attend within documents only (not supported: "

@@ -67,6 +67,7 @@ def resolve(c: Config, world_size: int) -> Config:
     return c.replace(
         global_batch_size=gbs,
         max_position_embeddings=c.seq_length if c.max_position_embeddings is None else c.max_position_embeddings,
+        calculate_per_token_loss=c.calculate_per_token_loss or c.sft,
         recompute_granularity="full" if c.checkpoint_activations and c.recompute_granularity is None
         else c.recompute_granularity,
         vocab_size=1024 if c.mock_data and not c.data_path and c.vocab_size is None else c.vocab_size,

@@ -1,5 +1,7 @@
 """JSONL corpora -> Megatron .bin/.idx, with Megatron-LM's `tools/preprocess_data.py` interface.
 
+`--sft` switches to chat conversations for supervised fine-tuning (sft_preprocess.py).
+
 Output: `{output_prefix}_{key}_{document|sentence}.bin/.idx` for each `--json-keys` key (`sentence`
 with `--split-sentences`). Documents are tokenized in chunks by a pool of `--workers` processes and
 written in input order, so the files are byte-identical whatever `--workers` and `--partitions` are.
@@ -102,7 +104,12 @@ def preprocess(args: argparse.Namespace) -> Totals:
 
 
 def main(argv: Optional[List[str]] = None) -> None:
-    """Command-line entry point: an error in the input or the flags prints one message and exits 1."""
+    """Command-line entry point: an error in the input or the flags prints one message and exits 1. With `--sft`,
+    chat conversations are rendered into tokens and a loss mask instead (megatron_patch.data.sft_preprocess)."""
+    if "--sft" in (sys.argv[1:] if argv is None else argv):
+        from .sft_preprocess import main as sft_main
+
+        return sft_main(argv)
     try:
         preprocess(get_args(argv))
     except (PreprocessError, TokenizerError) as e:

@@ -94,6 +94,7 @@ def build_transformer_config(cfg: Config) -> TransformerConfig:
         recompute_method=cfg.recompute_method if cfg.recompute_granularity == "full" else None,
         recompute_num_layers=cfg.recompute_num_layers if cfg.recompute_granularity == "full" else None,
         attention_softmax_in_fp32=True,
+        calculate_per_token_loss=cfg.calculate_per_token_loss,
         # native/te: megatron-core's fused cross entropy of the logits; linear and triton are ours (GPTModelWithVocab)
         cross_entropy_loss_fusion=cfg.cross_entropy_loss_fusion and cfg.cross_entropy_fusion_impl in ("native", "te"),
         cross_entropy_fusion_impl="te" if cfg.cross_entropy_fusion_impl == "te" else "native",

@@ -23,11 +23,23 @@ def check_data(cfg: Config) -> str:
     TokenizerError otherwise. Returns a one-line description for the launcher's summary."""
     if cfg.mock_data:
         return f"mock data (random ids below {cfg.vocab_size or 'the tokenizer vocabulary'})"
-    from megatron_patch.data.checks import check_bert_documents, check_split_sizes, check_token_ids, parse_data_path
+    from megatron_patch.data.checks import (DataError, check_bert_documents, check_split_sizes, check_token_ids,
+                                            parse_data_path)
 
     prefixes, _ = parse_data_path(cfg.data_path)
     vocab = tokenizer_from_config(cfg).vocab_size
     largest = check_token_ids(prefixes, vocab, cfg.data_cache_path)
+    if cfg.sft:  # conversations: the loss mask beside the tokens, and training conversations in the split
+        from megatron_patch.data.sft_dataset import open_sft, split_ranges
+
+        tokens, _ = open_sft(prefixes[0], cfg.data_impl)
+        (start, end), *_ = split_ranges(tokens.num_documents, cfg.split)
+        if end <= start:
+            raise DataError(f"--split {cfg.split} leaves no training conversation of the {tokens.num_documents} "
+                            f"in {prefixes[0]}")
+        packing = "packed" if cfg.pack_sequences else "one per sample, padded"
+        return (f"SFT: {tokens.num_documents} conversations ({packing}), largest token id {largest}, vocabulary "
+                f"{vocab}, --split {cfg.split}")
     if cfg.model_family == "bert":  # BERT samples sentences of documents, GPT sequences
         check_bert_documents(prefixes, cfg.split, cfg.bert_binary_head)
     else:
@@ -44,6 +56,12 @@ def sample_counts(cfg: Config) -> Tuple[int, int, int]:
 
 def build_datasets(cfg: Config, tokenizer: AbstractTokenizer):
     counts = sample_counts(cfg)
+    if cfg.sft:
+        from megatron_patch.data.sft_dataset import build_sft_datasets
+
+        pad = getattr(tokenizer, "pad", None)
+        return build_sft_datasets(cfg.data_path[0], cfg.seq_length, counts, cfg.split, cfg.seed, cfg.pack_sequences,
+                                  pad if isinstance(pad, int) and pad >= 0 else tokenizer.eod, cfg.data_impl)
     if cfg.mock_data:
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
         from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset

@@ -96,7 +96,12 @@ class Trainer:
 
     def _forward_step_func(self):
         """megatron-core's forward-step contract: (data_iterator, model) -> (output, loss_func)."""
-        return forward_step
+        return partial(forward_step, packed=self.packed, per_token_loss=self.cfg.calculate_per_token_loss)
+
+    @property
+    def packed(self) -> bool:
+        """Whether micro batches run as packed sequences (--sft without --no-pack-sequences)."""
+        return self.cfg.sft and self.cfg.pack_sequences
 
     def _iterator(self, dataset, consumed: int, cycle: bool):
         return build_iterator(dataset, self.cfg, consumed, cycle)
@@ -106,8 +111,9 @@ class Trainer:
         return self.state.iteration
 
     def _reads_data(self, chunk: torch.nn.Module) -> bool:
-        """Tensor-parallel rank 0 of the stages that need batches (first: tokens; last: labels) reads them."""
-        return mpu.get_tensor_model_parallel_rank() == 0 and any(stage_flags(chunk))
+        """Tensor-parallel rank 0 of the stages that need batches (first: tokens; last: labels; with packed sequences
+        every stage: where conversations start) reads them."""
+        return mpu.get_tensor_model_parallel_rank() == 0 and (self.packed or any(stage_flags(chunk)))
 
     def _iterators(self, dataset, consumed: int, cycle: bool):
         """One iterator per model chunk (virtual pipeline stages each read the micro batches); None where the
@@ -122,15 +128,19 @@ class Trainer:
         t = torch.tensor([float(any(i is not None and i.count for i in its)),
                           float(sum(i.count for i in its if i is not None))], device=current_device())
         dist.all_reduce(t)
-        print_rank_0(f"data: {int(t[0])} of {dist.get_world_size()} ranks read batches ({self.reads_where}; the "
+        where = "tensor-parallel rank 0 of every pipeline stage" if self.packed else self.reads_where
+        print_rank_0(f"data: {int(t[0])} of {dist.get_world_size()} ranks read batches ({where}; the "
                      f"others receive them or need none): {int(t[1])} micro batches read in the first iteration")
 
     def _run_batches(self, iterator, forward_only: bool):
         cfg = self.cfg
+        # packed: a micro batch travels between pipeline stages as one sequence of all its tokens
+        seq_length, micro_batch = (cfg.seq_length * cfg.micro_batch_size, 1) if self.packed else \
+            (cfg.seq_length, cfg.micro_batch_size)
         return self.fwd_bwd(
             forward_step_func=self._forward_step_func(), data_iterator=iterator,
-            model=self.model, num_microbatches=cfg.num_microbatches, seq_length=cfg.seq_length,
-            micro_batch_size=cfg.micro_batch_size, forward_only=forward_only,
+            model=self.model, num_microbatches=cfg.num_microbatches, seq_length=seq_length,
+            micro_batch_size=micro_batch, forward_only=forward_only,
         )
 
     def train_step(self, iterator) -> Dict[str, float]:

@@ -23,27 +23,60 @@ def stage_flags(chunk: torch.nn.Module) -> tuple:
 BATCH_KEYS = ["tokens", "labels", "loss_mask", "position_ids"]
 
 
-def forward_step(data_iterator, model):
+def packed_seq_params(position_ids: torch.Tensor):
+    """megatron-core's THD description of a micro batch flattened into one sequence, whose conversations (and each
+    sample's padding) start where `position_ids` are 0: cumulative lengths and the longest (read on the host: RoPE's
+    table is built for it)."""
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    flat = position_ids.reshape(-1)
+    starts = torch.nonzero(flat == 0).view(-1)
+    cu = torch.cat([starts, starts.new_tensor([flat.numel()])]).to(torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest,
+                           max_seqlen_kv=longest)
+
+
+def forward_step(data_iterator, model, packed: bool = False, per_token_loss: bool = False):
     """One micro batch through one model chunk; returns the output and the loss function.
 
     Only chunks that embed tokens (first stage) or compute the loss (last stage) need the batch, and of a
     tensor-parallel group only rank 0 reads it: `broadcast_data` sends it to the others (Megatron-LM's way).
-    Stages in between take their input from the previous stage."""
+    Stages in between take their input from the previous stage; with `packed` sequences they read the positions
+    too, which say where each conversation starts.
+
+    `packed`: the micro batch [b, s] runs as one sequence of b*s tokens (megatron-core's THD format), attention and
+    RoPE restricted to each conversation. `per_token_loss`: the loss function returns the sum of the micro batch's
+    token losses and their count; megatron-core adds the counts over the global batch (micro batches, data-parallel
+    ranks) and divides the gradients by the total, so every loss token of the global batch weighs the same however
+    conversations are packed into samples and samples into micro batches (Megatron-LM's --calculate-per-token-loss).
+    Otherwise each micro batch's mean counts 1/(micro batches)."""
     from megatron_patch.parallel.broadcast import broadcast_data
 
     pre, post = stage_flags(model)
     if not (pre or post):
-        return model(None, None, None), no_loss
+        if not packed:
+            return model(None, None, None), no_loss
+        batch = broadcast_data(["position_ids"], next(data_iterator) if data_iterator is not None else None, torch.int64)
+        return model(None, None, None, packed_seq_params=packed_seq_params(batch["position_ids"])), no_loss
     batch = next(data_iterator) if data_iterator is not None else None
     batch = broadcast_data(BATCH_KEYS, batch, torch.int64)  # one int64 buffer: loss_mask is 0/1
     tokens, labels, position_ids = batch["tokens"], batch["labels"], batch["position_ids"]
     loss_mask = batch["loss_mask"].float()
-    output = model(tokens, position_ids, None, labels=labels)
+    if packed:
+        params = packed_seq_params(position_ids)
+        tokens, labels, position_ids = (t.reshape(1, -1) for t in (tokens, labels, position_ids))
+        output = model(tokens, position_ids, None, labels=labels, packed_seq_params=params)
+    else:
+        output = model(tokens, position_ids, None, labels=labels)
 
     def loss_func(output_tensor):
         losses = output_tensor.float()
         total = loss_mask.sum()
-        loss = (losses.view(-1) * loss_mask.view(-1)).sum() / total.clamp(min=1)
+        summed = (losses.view(-1) * loss_mask.view(-1)).sum()
+        if per_token_loss:  # reported as [sum, count]: mean_losses divides the totals
+            return summed, total.detach().to(torch.int), {"lm loss": torch.stack([summed.detach(), total])}
+        loss = summed / total.clamp(min=1)
         return loss, {"lm loss": loss.detach().clone()}  # the schedule divides `loss` in place
 
     return output, loss_func
@@ -57,11 +90,16 @@ def no_loss(output_tensor):
 def mean_losses(losses: List[Dict[str, torch.Tensor]], keys: Sequence[str] = ("lm loss",)) -> Dict[str, torch.Tensor]:
     """Mean of each reported loss (`keys`: "lm loss", and for BERT "sop loss") over the micro batches of the
     global batch, known on every rank afterwards (only the last pipeline stage computes them): 0-dim tensors on
-    the device (NaN without micro batches), so that nothing waits for the GPU here."""
+    the device (NaN without micro batches), so that nothing waits for the GPU here. A loss reported as [sum, count]
+    (per-token loss) is the total sum over the total count instead."""
     t = torch.zeros(len(keys) + 1, device=current_device())
     if mpu.is_pipeline_last_stage(ignore_virtual=True) and mpu.get_tensor_model_parallel_rank() == 0 and losses:
-        t[:-1] = torch.stack([torch.stack([x[key].float().reshape(()) for x in losses]).sum() for key in keys])
-        t[-1] = len(losses)
+        if losses[0][keys[0]].numel() == 2:
+            sums = torch.stack([torch.stack([x[key].float() for x in losses]).sum(0) for key in keys])
+            t[:-1], t[-1] = sums[:, 0], sums[0, 1]
+        else:
+            t[:-1] = torch.stack([torch.stack([x[key].float().reshape(()) for x in losses]).sum() for key in keys])
+            t[-1] = len(losses)
     dist.all_reduce(t)
     means = torch.where(t[-1] > 0, t[:-1] / t[-1].clamp(min=1), torch.full_like(t[:-1], float("nan")))
     return {key: means[i] for i, key in enumerate(keys)}

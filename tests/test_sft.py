@@ -1,0 +1,222 @@
+"""Supervised fine-tuning: chat data rendered with the model's template into tokens + a loss mask on the assistant
+turns (preprocess_data.py --sft), SFT samples packed or padded, and the engine training on them: packed samples give
+the losses and gradients of the same conversations padded one per sample, at TP1, TP2 with sequence parallelism and
+PP2 with interleaving (which has stages that neither embed nor compute the loss)."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from conftest import run_tool
+from engine_utils import full_weights, per_iteration, run_engine, train_losses
+from sft_utils import SEQ, build_sft_data, sft_flags
+
+CHATML_CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is two plus two?"},
+    {"role": "assistant", "content": "Four."},
+    {"role": "user", "content": "And a cat?"},
+    {"role": "assistant", "content": "A cat meows."},
+]
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory):
+    return build_sft_data(tmp_path_factory.mktemp("sft"))
+
+
+def _write(path, records):
+    with open(path, "w") as f:
+        for r in records:
+            f.write((r if isinstance(r, str) else json.dumps(r)) + "\n")
+    return str(path)
+
+
+def _read(prefix):
+    from megatron_patch.data.indexed_dataset import IndexedDataset
+
+    tokens, masks = IndexedDataset(prefix + "_text_document"), IndexedDataset(prefix + "_loss_mask_document")
+    return [(tokens[i].tolist(), masks[i].tolist()) for i in range(len(tokens))]
+
+
+def test_loss_mask_matches_a_hand_rendered_chatml_conversation(sft_data, tmp_path):
+    """The template's text tokenized piece by piece as written by hand (ChatML): the ids are the pieces' ids back to
+    back (no BOS/EOS added), and the mask is 1 exactly on each answer and its <|im_end|>\\n, over two turns."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(sft_data.tok)
+    run_tool("preprocess_data.py", "--sft", "--input", _write(tmp_path / "c.jsonl", [{"messages": CHATML_CONVERSATION}]),
+             "--tokenizer-model", sft_data.tok, "--output-prefix", str(tmp_path / "c"), "--seq-length", "512")
+    [(ids, mask)] = _read(str(tmp_path / "c"))
+
+    def piece(text):
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    want_ids, want_mask = [], []
+    for m in CHATML_CONVERSATION:
+        header = piece("<|im_start|>") + piece(f"{m['role']}\n")
+        if m["role"] == "assistant":
+            body = piece(m["content"]) + piece("<|im_end|>") + piece("\n")
+            want_ids += header + body
+            want_mask += [0] * len(header) + [1] * len(body)
+        else:
+            body = piece(m["content"]) + piece("<|im_end|>") + piece("\n")
+            want_ids += header + body
+            want_mask += [0] * (len(header) + len(body))
+    assert ids == want_ids
+    assert mask == want_mask
+    assert tok.decode([i for i, k in zip(ids, mask) if k]) == "Four.<|im_end|>\nA cat meows.<|im_end|>\n"
+
+
+LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+                   "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
+                   "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+# Rewrites earlier turns (as Qwen3's drops earlier reasoning): the last message is marked, so prefixes do not match
+REWRITING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}{% if loop.last %} (last){% endif %}\n"
+                      "{{ m['content'] }}<|im_end|>\n{% endfor %}")
+
+
+@pytest.mark.parametrize("template,answers", [
+    (LLAMA3_TEMPLATE, "Four.<|eot_id|>A cat meows.<|eot_id|>"),
+    (REWRITING_TEMPLATE, "Four.<|im_end|>A cat meows.<|im_end|>"),
+])
+def test_template_bos_and_rewritten_prefixes(sft_data, tmp_path, template, answers):
+    """A template that writes the BOS itself gets exactly one (Llama 3: nothing is added on top); the mask of a
+    template that does not render prefixes as prefixes is found from the answers' text (plus the EOS after them)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(sft_data.tok)
+    tok.add_special_tokens({"bos_token": "<|begin_of_text|>", "eos_token": "<|im_end|>",
+                            "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
+    tok.save_pretrained(tmp_path / "tok")
+    (tmp_path / "t.jinja").write_text(template)
+    run_tool("preprocess_data.py", "--sft", "--input", _write(tmp_path / "c.jsonl", [{"messages": CHATML_CONVERSATION}]),
+             "--tokenizer-model", str(tmp_path / "tok"), "--chat-template", str(tmp_path / "t.jinja"),
+             "--output-prefix", str(tmp_path / "c"), "--seq-length", "512")
+    [(ids, mask)] = _read(str(tmp_path / "c"))
+    bos = tok.convert_tokens_to_ids("<|begin_of_text|>")
+    assert ids.count(bos) == (1 if "bos_token" in template else 0) and (ids[0] == bos) == ("bos_token" in template)
+    assert tok.decode([i for i, k in zip(ids, mask) if k]) == answers
+
+
+def _sft_main(capsys, *args):
+    """preprocess_data.py --sft in this process (the CLI's main): (exit status, stderr)."""
+    from megatron_patch.data.preprocess import main
+
+    try:
+        main(["--sft", *args])
+        code = 0
+    except SystemExit as e:
+        code, message = 1, str(e.code)
+        return code, capsys.readouterr().err + message
+    return code, capsys.readouterr().err
+
+
+def test_overflow_truncate_drop_and_bad_input(sft_data, tmp_path, capsys):
+    """--overflow truncate cuts and counts, drop drops and counts; bad lines name file:line and the fix; a model
+    without a chat template names --chat-template."""
+    long = {"prompt": "Repeat: " + "red green blue " * 40, "response": "Done."}
+    short = {"prompt": "What is 1 plus 2?", "response": "3."}
+    path = _write(tmp_path / "c.jsonl", [short, long, {"messages": CHATML_CONVERSATION}])
+    common = ["--input", path, "--tokenizer-model", sft_data.tok, "--seq-length", "48"]
+    code, err = _sft_main(capsys, *common, "--output-prefix", str(tmp_path / "t"), "--overflow", "truncate")
+    # the long prompt leaves no answer within 48 tokens: dropped; the two-turn conversation keeps its first answer
+    assert code == 0 and "2 conversations" in err and "1 truncated and 1 dropped" in err
+    kept = _read(str(tmp_path / "t"))
+    assert len(kept[1][0]) == 48 and sum(kept[1][1]) > 0
+    code, err = _sft_main(capsys, *common, "--output-prefix", str(tmp_path / "d"), "--overflow", "drop")
+    assert "0 truncated and 2 dropped" in err and f"first dropped: {path}:2" in err
+    assert len(_read(str(tmp_path / "d"))) == 1
+
+    bad = {
+        "not json": ("{oops", f"{tmp_path / 'b.jsonl'}:2: not a UTF-8 JSON line"),
+        "no answer": ({"messages": [{"role": "user", "content": "hi"}]}, "has no assistant turn"),
+        "bad role": ({"messages": [{"role": "robot", "content": "hi"}]}, "role 'robot'; use one of"),
+        "no keys": ({"text": "hi"}, "no \"messages\" and no \"prompt\"/\"response\""),
+    }
+    for name, (record, message) in bad.items():
+        p = _write(tmp_path / "b.jsonl", [short, record])
+        code, err = _sft_main(capsys, "--input", p, "--tokenizer-model", sft_data.tok, "--seq-length", "48",
+                              "--output-prefix", str(tmp_path / "b"))
+        assert code == 1 and message in err and "b.jsonl:2" in err, (name, err)
+        assert not os.path.exists(tmp_path / "b_text_document.bin")  # nothing published
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(sft_data.tok)
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "plain")
+    for f in ("chat_template.jinja",):
+        if os.path.exists(tmp_path / "plain" / f):
+            os.remove(tmp_path / "plain" / f)
+    code, err = _sft_main(capsys, "--input", path, "--tokenizer-model", str(tmp_path / "plain"), "--seq-length", "48",
+                          "--output-prefix", str(tmp_path / "p"))
+    assert code == 1 and "has no chat template" in err and "--chat-template" in err
+
+
+def test_sft_samples_packed_and_padded(sft_data):
+    """Each epoch holds every training conversation once, packed (<= SEQ tokens a sample) or one per sample; within
+    a sample, each conversation's labels are its own next tokens, its positions restart at 0 and the loss mask is
+    the preprocessed mask of the predicted token."""
+    from megatron_patch.data.sft_dataset import build_sft_datasets, open_sft
+
+    tokens, masks = open_sft(sft_data.prefix)
+    n = sft_data.conversations
+    for pack in (True, False):
+        per_epoch = sft_data.packed_samples if pack else n
+        train, valid, test = build_sft_datasets(sft_data.prefix, SEQ, (2 * per_epoch, 1, 1), "100,0,0", 3, pack, 0)
+        assert valid is None and test is None and len(train) == 2 * per_epoch
+        for epoch in range(2):
+            seen = np.concatenate([train.conversations(i) for i in range(epoch * per_epoch, (epoch + 1) * per_epoch)])
+            assert sorted(seen.tolist()) == list(range(n))
+        for i in range(len(train)):
+            sample, at = train[i], 0
+            for doc in train.conversations(i):
+                ids, mask = tokens[doc].astype(np.int64), masks[doc].astype(np.int64)
+                k = len(ids)
+                assert (sample["tokens"][at:at + k] == ids).all()
+                assert (sample["labels"][at:at + k - 1] == ids[1:]).all()
+                assert (sample["loss_mask"][at:at + k - 1] == mask[1:]).all() and sample["loss_mask"][at + k - 1] == 0
+                assert (sample["position_ids"][at:at + k] == np.arange(k)).all()
+                at += k
+            assert at <= SEQ and not sample["loss_mask"][at:].any()
+            assert (sample["position_ids"][at:] == np.arange(SEQ - at)).all()
+        if not pack:
+            assert all(len(train.conversations(i)) == 1 for i in range(len(train)))
+    assert train[0]["loss_mask"].sum() > 0
+
+
+@pytest.fixture(scope="module")
+def padded_run(sft_data, tmp_path_factory):
+    """The reference: every conversation padded to its own sample, one process (global batch: all of them)."""
+    d = tmp_path_factory.mktemp("padded")
+    flags = sft_flags(sft_data, "--num-layers", "4", "--no-pack-sequences", "--micro-batch-size", "4",
+                      "--global-batch-size", str(sft_data.conversations), "--save", str(d / "ckpt"))
+    lines, _ = run_engine(d, 1, *flags, base=[])
+    return lines, full_weights(str(d / "ckpt" / "iter_0000005"))
+
+
+PACKED_LAYOUTS = {  # (processes, micro batch, flags); interleaving needs the micro batches a multiple of PP
+    "tp1": (1, 2, []),
+    "tp2_sp": (2, 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "pp2_vpp": (2, 1, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(PACKED_LAYOUTS))
+def test_packed_trains_like_padded(sft_data, padded_run, tmp_path, layout):
+    """Packed samples (several conversations each) give the padded run's losses, gradient norms and
+    weights (fp32, 1e-5), with the loss averaged per token over the global batch in both."""
+    nproc, micro_batch, extra = PACKED_LAYOUTS[layout]
+    flags = sft_flags(sft_data, "--num-layers", "4", "--micro-batch-size", str(micro_batch), "--global-batch-size",
+                      str(sft_data.packed_samples), "--save", str(tmp_path / "ckpt"), *extra)
+    lines, proc = run_engine(tmp_path, nproc, *flags, base=[])
+    ref_lines, ref_weights = padded_run
+    assert train_losses(lines) == pytest.approx(train_losses(ref_lines), rel=1e-5)
+    assert train_losses(lines)[-1] < train_losses(lines)[0] - 0.3
+    assert per_iteration(lines, "grad_norm") == pytest.approx(per_iteration(ref_lines, "grad_norm"), rel=1e-5)
+    weights = full_weights(str(tmp_path / "ckpt" / "iter_0000005"))
+    for k, w in ref_weights.items():
+        np.testing.assert_allclose(weights[k].numpy(), w.numpy(), rtol=1e-5, atol=1e-5, err_msg=k)
