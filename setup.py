@@ -53,6 +53,7 @@ setup(
         "tensorboard",
         "datasets",  # fine-tuning data (local files, save_to_disk directories)
         "scikit-learn",  # classification metrics
+        "peft==0.21.2",  # LoRA: rapidformer's adapters on Hugging Face models, and the PEFT format the engine exports
     ],
     extras_require={
         # ruff is pinned: `make test` runs `ruff check .`, and a new ruff release may add findings.

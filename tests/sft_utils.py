@@ -11,16 +11,6 @@ from conftest import run_tool
 SEQ = 128  # the samples' length; conversations are 10-128 tokens, 2-4 per packed sample
 
 
-def chat_texts(chats: str, out: str) -> str:
-    """The chat set's contents as plain-text documents (for training a tokenizer)."""
-    with open(chats) as f, open(out, "w") as g:
-        for line in f:
-            r = json.loads(line)
-            parts = [m["content"] for m in r["messages"]] if "messages" in r else [r["prompt"], r["response"]]
-            g.write(json.dumps({"text": " ".join(parts)}) + "\n")
-    return out
-
-
 def build_sft_data(d, count: int = 200, conversations: int = 16) -> SimpleNamespace:
     """Tokenizer + SFT dataset of at least `conversations` conversations of 10-SEQ tokens whose best-fit-decreasing
     packing into SEQ-token samples gives an even number of samples, fewer than half the conversations (packed and
@@ -28,13 +18,14 @@ def build_sft_data(d, count: int = 200, conversations: int = 16) -> SimpleNamesp
     from megatron_patch.data.packing import pack_documents
     from megatron_patch.data.sft_preprocess import conversation, encode, load_tokenizer
     from megatron_patch.data.train_tokenizer import train
-    from megatron_patch.demo.chats import write
+    from megatron_patch.demo.chats import write, write_texts
 
     d = os.path.abspath(str(d))
     chats = os.path.join(d, "chats.jsonl")
     write(chats, count, seed=1)
     tok = os.path.join(d, "tok")
-    train("qwen", [chat_texts(chats, os.path.join(d, "text.jsonl"))], tok, 600, "")
+    write_texts(chats, os.path.join(d, "text.jsonl"))
+    train("qwen", [os.path.join(d, "text.jsonl")], tok, 600, "")
     tokenizer = load_tokenizer(tok, None)
     lines, lengths = [], []
     for line in open(chats).read().splitlines():

@@ -221,6 +221,26 @@ def sft_data(c: Config) -> Optional[str]:
         return "--sft with --zero-2-memory-optimization (Megatron-FSDP) is not supported yet: use --zero-1-memory-optimization"
 
 
+@rule("model")
+def lora(c: Config) -> Optional[str]:
+    if not c.lora_rank:
+        return None
+    if c.lora_rank < 0:
+        return f"--lora-rank {c.lora_rank}: give a positive rank (0 turns LoRA off)"
+    if not 0 <= c.lora_dropout < 1:
+        return f"--lora-dropout {c.lora_dropout}: give a probability in [0, 1)"
+    from .lora_targets import resolve_targets
+
+    try:
+        resolve_targets(c.lora_target, c.swiglu)
+    except ValueError as e:
+        return str(e)
+    if c.zero_stage == 2:
+        return "--lora-rank with --zero-2-memory-optimization (Megatron-FSDP) is not supported: use --zero-1-memory-optimization"
+    if c.multi_latent_attention:
+        return "--lora-rank on multi-latent attention is not supported yet (its projections are not linear_qkv/linear_proj)"
+
+
 @rule("checkpoint")
 def checkpoint_flags(c: Config) -> Optional[str]:
     if c.keep_last_n is not None and c.keep_last_n < 1:

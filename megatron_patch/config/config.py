@@ -84,6 +84,11 @@ class ModelConfig:
     attention_backend: str = "auto"  # auto (te if importable, else sdpa) | sdpa | local | te
     bert_binary_head: bool = True  # BERT: pooler + next-sentence head (Megatron-LM's --bert-no-binary-head turns it off)
     init_layout_invariant: bool = False
+    # LoRA (models/lora.py): adapters of this rank on --lora-target, the base frozen; 0 = off
+    lora_rank: int = 0
+    lora_alpha: float = 32.0
+    lora_dropout: float = 0.0
+    lora_target: List[str] = field(default_factory=lambda: ["linear_qkv", "linear_proj", "linear_fc1", "linear_fc2"])
 
 
 @dataclass(frozen=True)

@@ -277,6 +277,13 @@ FLAGS: Tuple[Flag, ...] = (
            "input embedding's"),
         _f("--disable-bias-linear", STORE_TRUE, ENGINE, "no biases in the linear layers"),
         _f("--add-qkv-bias", STORE_TRUE, ENGINE, "biases on the query/key/value projection (Qwen2)"),
+        _f("--lora-rank", int, GPT_ONLY, "LoRA: train adapters of this rank on --lora-target, every other weight "
+           "frozen (0: off)"),
+        _f("--lora-alpha", float, GPT_ONLY, "LoRA: the adapters' output is scaled by alpha / rank"),
+        _f("--lora-dropout", float, GPT_ONLY, "LoRA: dropout on the adapters' input"),
+        _f("--lora-target", str, GPT_ONLY, "LoRA: the layers adapted, Megatron names (linear_qkv linear_proj "
+           "linear_fc1 linear_fc2) or Hugging Face ones (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)",
+           nargs="+"),
     ),
     *_concern(
         "moe",

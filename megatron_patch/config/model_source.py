@@ -22,6 +22,8 @@ ARCHITECTURE = ("model_family", "num_layers", "hidden_size", "num_attention_head
                 # mixture of experts: which layers have experts, how many, their width and routing
                 "num_experts", "moe_ffn_hidden_size", "moe_layer_freq", "moe_router_topk", "moe_router_pre_softmax",
                 "moe_router_topk_scaling_factor", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
+# A LoRA checkpoint's adapters (a checkpoint without them starts LoRA from its weights)
+LORA = ("lora_rank", "lora_alpha", "lora_target")
 FLAG = {"untie_embeddings_and_output_weights": "--untie-embeddings-and-output-weights",
         "bert_binary_head": "--bert-no-binary-head"}
 
@@ -52,6 +54,8 @@ def from_checkpoint(path: str) -> Optional[Dict]:
     manifest = found[1]
     stored = manifest.get("config", {})
     arch = {k: stored[k] for k in ARCHITECTURE if k in stored}
+    if stored.get("lora_rank"):  # a LoRA checkpoint resumes with its adapters (a base one takes this run's)
+        arch.update({k: stored[k] for k in LORA if k in stored})
     model = manifest.get("model", {})
     if "vocab_size" in model:  # the embedding's rows, before and after padding, as saved
         arch.update(model_vocab_size=model["vocab_size"], padded_vocab_size=model["padded_vocab_size"])
@@ -62,11 +66,11 @@ def merge(values: Dict, given: Dict, source: Dict, what: str, apply_other: bool 
     """Put `source`'s architecture into `values`; a flag the user gave must agree with it."""
     for key, value in source.items():
         if key in given:
-            if key in ARCHITECTURE and value is not None and given[key] != value:
+            if key in ARCHITECTURE + LORA and value is not None and given[key] != value:
                 flag = FLAG.get(key, "--" + key.replace("_", "-"))
                 if key == "bert_binary_head":  # a switch that turns a head off: say it in words, not True/False
                     raise ConfigError(f"{flag} contradicts {what}, which has the next-sentence head: drop the flag")
                 raise ConfigError(f"{flag} {given[key]} contradicts {what}, which says {value}: drop the flag "
                                   f"(the architecture comes from {what})")
-        elif key in ARCHITECTURE or apply_other:
+        elif key in ARCHITECTURE + LORA or apply_other:
             values[key] = value

@@ -73,6 +73,9 @@ def get_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="compare the logits of both models; exit 3 if they differ (default: on for mcore2hf, off "
                         "for hf2mcore; --no-verify turns it off)")
     p.add_argument("--debug", action="store_true", help="with --verify, print the difference after every layer")
+    p.add_argument("--lora-format", choices=["merged", "peft"], default="merged",
+                   help="mcore2hf of a LoRA checkpoint: the adapters merged into the weights (a whole model), or a "
+                        "PEFT adapter directory for the base model the run started from (peft.PeftModel.from_pretrained)")
     a = p.parse_args(argv)
     if a.verify is None:
         a.verify = a.direction == "mcore2hf"  # an export is proved by default (module docstring)
@@ -277,6 +280,17 @@ def mcore2hf(a: argparse.Namespace) -> int:
     cfg = resolve(cfg)  # the dimensions of the model that was built, defaults included
     info = reader.manifest.get("model", {})
     rules = family.table.rules_for(cfg)
+    if a.lora_format == "peft" and not cfg.lora_rank:
+        raise ConversionError(f"{a.load_dir}: --lora-format peft exports LoRA adapters; this checkpoint has none "
+                              f"(its run had no --lora-rank)")
+    if cfg.lora_rank and a.lora_format == "peft":
+        return publish(a.save_dir, "mcore2hf", lambda staging: _export_peft(a, reader, cfg, info, rules, staging),
+                       a.verify)
+    if cfg.lora_rank:  # the adapters merged into their weights: a whole model
+        from .lora_export import MergedLoRAReader
+
+        print(f"mcore2hf: LoRA rank {cfg.lora_rank} (alpha {cfg.lora_alpha:g}) merged into the weights", flush=True)
+        reader = MergedLoRAReader(reader, cfg)
     have, need = set(reader.keys()), {r.mcore for r in rules}
     if have != need:
         extra, missing = sorted(have - need), sorted(need - have)
@@ -292,6 +306,28 @@ def mcore2hf(a: argparse.Namespace) -> int:
                            + (["--debug"] if a.debug else []))
 
     return publish(a.save_dir, "mcore2hf", export, a.verify)
+
+
+def _export_peft(a: argparse.Namespace, reader, cfg, info: dict, rules, out: str) -> int:
+    """A PEFT adapter directory of the LoRA checkpoint (conversion/lora_export.py), verified against the engine
+    model (base + adapters) by loading it onto the base model with peft."""
+    import torch
+
+    from .lora_export import peft_tensors, write_peft
+
+    base = reader.config.get("load_hf")
+    if not base or not os.path.isdir(base):
+        print(f"mcore2hf: the run's base model (--load-hf {base}) is not here: adapter_config.json names it, but "
+              f"verification needs it", flush=True)
+    tensors = peft_tensors(rules, reader, cfg, info["vocab_size"], info["padded_vocab_size"])
+    name = a.dtype if a.dtype != "auto" else "fp32"
+    write_peft(out, tensors, cfg, base, getattr(torch, DTYPES[name]))
+    print(f"mcore2hf: PEFT adapters of {reader.path} (rank {cfg.lora_rank}, {len(tensors) // 2} modules) -> "
+          f"{a.save_dir}; base model {base}", flush=True)
+    if not a.verify:
+        return 0
+    return run_workers(1, ["verify", "--load-dir", a.load_dir, "--hf-dir", out, "--dtype", DTYPES[name]]
+                       + (["--debug"] if a.debug else []))
 
 
 def _write_export(a: argparse.Namespace, reader, cfg, family: "Family", info: dict, rules, out: str) -> str:

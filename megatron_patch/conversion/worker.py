@@ -15,6 +15,7 @@ DIR/rank_<r>.json: the parent reads its workers' verdict there, not from torchru
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from typing import Dict, Optional
@@ -61,9 +62,18 @@ def verify_length(cfg, seq: int) -> int:
 
 
 def _hf_model(hf_dir: str):
+    """The Hugging Face model of `hf_dir` in fp32; a PEFT adapter directory on its base model (peft)."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    adapter = os.path.join(hf_dir, "adapter_config.json")
+    if os.path.isfile(adapter):
+        from peft import PeftModel
+
+        with open(adapter) as f:
+            base = json.load(f)["base_model_name_or_path"]
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+        return PeftModel.from_pretrained(model, hf_dir).eval()
     return AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
 
 
@@ -100,7 +110,7 @@ def hf2mcore(args) -> int:
 def verify_checkpoint(args) -> int:
     """Build the model of an engine checkpoint in fp32, in the --tp/--pp layout, from its global tensors
     (any saved layout, any ZeRO format), and compare it with the Hugging Face directory."""
-    from megatron_patch.config.model_source import ARCHITECTURE
+    from megatron_patch.config.model_source import ARCHITECTURE, LORA
     from megatron_patch.conversion.load_hf import load_global_weights
     from megatron_patch.conversion.mcore_reader import MegatronCheckpointReader
     from megatron_patch.conversion.verify import verify
@@ -110,6 +120,8 @@ def verify_checkpoint(args) -> int:
     reader = MegatronCheckpointReader(args.load_dir)
     info = reader.manifest.get("model", {})
     arch = {key: reader.config[key] for key in ARCHITECTURE if key in reader.config}  # stored with the checkpoint
+    if reader.config.get("lora_rank"):  # the engine model with its adapters, against the merged export or PEFT
+        arch.update({key: reader.config[key] for key in LORA if key in reader.config})
     arch.update(model_vocab_size=info["vocab_size"], padded_vocab_size=info["padded_vocab_size"])
     cfg = engine_config(args, arch)
     cfg = cfg.replace(seq_length=verify_length(cfg, args.seq))

@@ -4,6 +4,7 @@ answers can fall. Single- and multi-turn, `messages` and `prompt`/`response` rec
 few hundred (a chat-like spread), deterministic for a seed.
 
     python -m megatron_patch.demo.chats --output chats.jsonl [--count 2000] [--seed 0]
+    python -m megatron_patch.demo.chats --texts chats.jsonl --output texts.jsonl   (their text, to train a tokenizer)
 """
 from __future__ import annotations
 
@@ -57,12 +58,26 @@ def write(path: str, count: int, seed: int = 0) -> None:
             f.write(json.dumps(conversation(rng)) + "\n")
 
 
+def write_texts(chats: str, path: str) -> None:
+    """The contents of a chat JSONL as {"text": ...} documents, one per conversation (a tokenizer's training text)."""
+    with open(chats) as f, open(path, "w") as g:
+        for line in f:
+            r = json.loads(line)
+            parts = [m["content"] for m in r["messages"]] if "messages" in r else [r["prompt"], r["response"]]
+            g.write(json.dumps({"text": " ".join(parts)}) + "\n")
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--output", required=True)
     p.add_argument("--count", type=int, default=2000)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--texts", default=None, help="write the text of this chat JSONL instead of a new chat set")
     a = p.parse_args(argv)
+    if a.texts:
+        write_texts(a.texts, a.output)
+        print(f"wrote the text of {a.texts} to {a.output}")
+        return
     write(a.output, a.count, a.seed)
     print(f"wrote {a.count} conversations to {a.output}")
 

@@ -83,6 +83,10 @@ def build_model_chunks(cfg: Config, vocab_size: int,
         chunks.append(chunk)
     if load_weights is not None:  # before the wrappers: fp16/bf16 copies, DDP buffers and FSDP shards start from these
         load_weights(chunks, cfg)
+    if cfg.lora_rank:  # after the base weights, before the wrappers: DDP then gives the frozen base no gradient buffer
+        from .lora import apply_lora
+
+        print_rank_0(apply_lora(chunks, cfg))
     if cfg.moe_grouped_gemm:
         print_rank_0(apply_grouped_experts(chunks))
     if cfg.gradient_accumulation_fusion:
