@@ -123,3 +123,12 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def sft_data(tmp_path_factory):
+    """A chat set, a Qwen-style tokenizer trained on it and its preprocess_data.py --sft dataset (tests/sft_utils.py):
+    shared by the SFT and LoRA tests."""
+    from sft_utils import build_sft_data
+
+    return build_sft_data(tmp_path_factory.mktemp("sft"))

@@ -21,6 +21,7 @@ def build_sft_data(d, count: int = 200, conversations: int = 16) -> SimpleNamesp
     from megatron_patch.demo.chats import write, write_texts
 
     d = os.path.abspath(str(d))
+    os.makedirs(d, exist_ok=True)
     chats = os.path.join(d, "chats.jsonl")
     write(chats, count, seed=1)
     tok = os.path.join(d, "tok")

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import run_tool
 from engine_utils import full_weights, per_iteration, run_engine, train_losses
-from sft_utils import SEQ, build_sft_data, sft_flags
+from sft_utils import SEQ, sft_flags
 
 CHATML_CONVERSATION = [
     {"role": "system", "content": "Be brief."},
@@ -21,11 +21,6 @@ CHATML_CONVERSATION = [
     {"role": "user", "content": "And a cat?"},
     {"role": "assistant", "content": "A cat meows."},
 ]
-
-
-@pytest.fixture(scope="module")
-def sft_data(tmp_path_factory):
-    return build_sft_data(tmp_path_factory.mktemp("sft"))
 
 
 def _write(path, records):
@@ -71,6 +66,19 @@ def test_loss_mask_matches_a_hand_rendered_chatml_conversation(sft_data, tmp_pat
     assert tok.decode([i for i, k in zip(ids, mask) if k]) == "Four.<|im_end|>\nA cat meows.<|im_end|>\n"
 
 
+def _sft_main(capsys, *args):
+    """preprocess_data.py --sft in this process (the CLI's main): (exit status, stderr)."""
+    from megatron_patch.data.preprocess import main
+
+    try:
+        main(["--sft", *args])
+        code = 0
+    except SystemExit as e:
+        code, message = 1, str(e.code)
+        return code, capsys.readouterr().err + message
+    return code, capsys.readouterr().err
+
+
 LLAMA3_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
                    "{{ m['content'] }}<|eot_id|>{% endfor %}{% if add_generation_prompt %}"
                    "<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
@@ -83,7 +91,7 @@ REWRITING_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}{% if l
     (LLAMA3_TEMPLATE, "Four.<|eot_id|>A cat meows.<|eot_id|>"),
     (REWRITING_TEMPLATE, "Four.<|im_end|>A cat meows.<|im_end|>"),
 ])
-def test_template_bos_and_rewritten_prefixes(sft_data, tmp_path, template, answers):
+def test_template_bos_and_rewritten_prefixes(sft_data, tmp_path, template, answers, capsys):
     """A template that writes the BOS itself gets exactly one (Llama 3: nothing is added on top); the mask of a
     template that does not render prefixes as prefixes is found from the answers' text (plus the EOS after them)."""
     from transformers import AutoTokenizer
@@ -93,26 +101,14 @@ def test_template_bos_and_rewritten_prefixes(sft_data, tmp_path, template, answe
                             "additional_special_tokens": ["<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]})
     tok.save_pretrained(tmp_path / "tok")
     (tmp_path / "t.jinja").write_text(template)
-    run_tool("preprocess_data.py", "--sft", "--input", _write(tmp_path / "c.jsonl", [{"messages": CHATML_CONVERSATION}]),
-             "--tokenizer-model", str(tmp_path / "tok"), "--chat-template", str(tmp_path / "t.jinja"),
-             "--output-prefix", str(tmp_path / "c"), "--seq-length", "512")
+    code, err = _sft_main(capsys, "--input", _write(tmp_path / "c.jsonl", [{"messages": CHATML_CONVERSATION}]),
+                          "--tokenizer-model", str(tmp_path / "tok"), "--chat-template", str(tmp_path / "t.jinja"),
+                          "--output-prefix", str(tmp_path / "c"), "--seq-length", "512")
+    assert code == 0, err
     [(ids, mask)] = _read(str(tmp_path / "c"))
     bos = tok.convert_tokens_to_ids("<|begin_of_text|>")
     assert ids.count(bos) == (1 if "bos_token" in template else 0) and (ids[0] == bos) == ("bos_token" in template)
     assert tok.decode([i for i, k in zip(ids, mask) if k]) == answers
-
-
-def _sft_main(capsys, *args):
-    """preprocess_data.py --sft in this process (the CLI's main): (exit status, stderr)."""
-    from megatron_patch.data.preprocess import main
-
-    try:
-        main(["--sft", *args])
-        code = 0
-    except SystemExit as e:
-        code, message = 1, str(e.code)
-        return code, capsys.readouterr().err + message
-    return code, capsys.readouterr().err
 
 
 def test_overflow_truncate_drop_and_bad_input(sft_data, tmp_path, capsys):
@@ -188,6 +184,60 @@ def test_sft_samples_packed_and_padded(sft_data):
     assert train[0]["loss_mask"].sum() > 0
 
 
+def test_packed_per_token_losses_and_gradients_equal_padded(sft_data, monkeypatch):
+    """One process, the model itself: two packed samples through the engine's forward step (THD, our attention with
+    the conversations' block-diagonal mask, RoPE restarting per conversation) give every position of every
+    conversation the loss it has alone in a padded sample, and the summed masked loss the same gradients (fp32)."""
+    import torch
+
+    from megatron_patch.config import parse_args
+    from megatron_patch.data.sft_dataset import build_sft_datasets
+    from megatron_patch.models.gpt import build_gpt_model
+    from megatron_patch.parallel import destroy, initialize
+    from megatron_patch.training.data import tokenizer_from_config
+    from megatron_patch.training.step import forward_step
+
+    from engine_utils import free_port
+
+    for key, value in dict(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                           MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(key, value)
+    cfg = initialize(parse_args(sft_flags(sft_data, "--micro-batch-size", "2", "--global-batch-size", "2")))
+    try:
+        model = build_gpt_model(cfg, tokenizer_from_config(cfg).vocab_size)
+        packed = build_sft_datasets(sft_data.prefix, SEQ, (2, 1, 1), "100,0,0", 3, True, 0)[0]
+        padded = build_sft_datasets(sft_data.prefix, SEQ, (sft_data.conversations, 1, 1), "100,0,0", 3, False, 0)[0]
+        by_conversation = {int(padded.conversations(i)[0]): i for i in range(len(padded))}
+
+        def run(samples, packed_flag):
+            batch = {k: torch.from_numpy(np.stack([x[k] for x in samples])) for k in samples[0]}
+            model.zero_grad()
+            output, loss_func = forward_step(iter([batch]), model, packed=packed_flag, per_token_loss=True)
+            summed, count, _ = loss_func(output)
+            summed.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            return output.detach().reshape(len(samples), SEQ), int(count), grads
+
+        pack_losses, pack_count, pack_grads = run([packed[0], packed[1]], True)
+        docs = [int(d) for i in (0, 1) for d in packed.conversations(i)]
+        assert len(docs) > 2  # several conversations per sample
+        alone = [padded[by_conversation[d]] for d in docs]
+        pad_losses, pad_count, pad_grads = run(alone, False)
+        assert pack_count == pad_count > 0
+        row = 0
+        for i in (0, 1):
+            at = 0
+            for d in packed.conversations(i):
+                n = len(padded.tokens[int(d)])
+                torch.testing.assert_close(pack_losses[i, at:at + n - 1], pad_losses[row, :n - 1], rtol=1e-5,
+                                           atol=1e-5, msg=lambda m, d=d: f"conversation {d}: {m}")
+                at, row = at + n, row + 1
+        for name, g in pad_grads.items():
+            torch.testing.assert_close(pack_grads[name], g, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}")
+    finally:
+        destroy()
+
+
 @pytest.fixture(scope="module")
 def padded_run(sft_data, tmp_path_factory):
     """The reference: every conversation padded to its own sample, one process (global batch: all of them)."""
@@ -199,17 +249,18 @@ def padded_run(sft_data, tmp_path_factory):
 
 
 PACKED_LAYOUTS = {  # (processes, micro batch, flags); interleaving needs the micro batches a multiple of PP
-    "tp1": (1, 2, []),
+    # slow (CI time): test_packed_per_token_losses_and_gradients_equal_padded is the one-process guard
+    "tp1": pytest.param((1, 2, []), marks=pytest.mark.slow),
     "tp2_sp": (2, 2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
     "pp2_vpp": (2, 1, ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage", "1"]),
 }
 
 
-@pytest.mark.parametrize("layout", list(PACKED_LAYOUTS))
+@pytest.mark.parametrize("layout", list(PACKED_LAYOUTS.values()), ids=list(PACKED_LAYOUTS))
 def test_packed_trains_like_padded(sft_data, padded_run, tmp_path, layout):
     """Packed samples (several conversations each) give the padded run's losses, gradient norms and
     weights (fp32, 1e-5), with the loss averaged per token over the global batch in both."""
-    nproc, micro_batch, extra = PACKED_LAYOUTS[layout]
+    nproc, micro_batch, extra = layout
     flags = sft_flags(sft_data, "--num-layers", "4", "--micro-batch-size", str(micro_batch), "--global-batch-size",
                       str(sft_data.packed_samples), "--save", str(tmp_path / "ckpt"), *extra)
     lines, proc = run_engine(tmp_path, nproc, *flags, base=[])

@@ -52,12 +52,14 @@ class Restore:
     same_model_layout: bool  # TP, PP, VPP and the expert layout unchanged: the RNG streams carry over
     optimizer_fits: bool  # the saved optimizer state can be loaded into this layout
     optimizer: bool  # the optimizer state and the learning-rate schedule are restored
+    starts_lora: bool = False  # a checkpoint without adapters loaded by a LoRA run: its weights are the frozen base
 
 
 def restores(manifest: Dict, cfg: Config) -> Restore:
     """What resuming from the checkpoint of `manifest` restores into the run of `cfg` (validated)."""
     saved, mine = manifest["layout"], layout(cfg)
-    model_only = "optimizer" not in manifest.get("contents", ["optimizer"])
+    starts_lora = bool(cfg.lora_rank) and not manifest.get("config", {}).get("lora_rank")
+    model_only = "optimizer" not in manifest.get("contents", ["optimizer"]) or starts_lora
     # Expert weights are global tensors too (any EP/ETP loads them), but megatron-core keeps the experts'
     # optimizer state apart (a ChainedOptimizer, sharded over expert-DP) once EP > 1 or ETP != TP, so
     # that state moves with neither.
@@ -66,7 +68,7 @@ def restores(manifest: Dict, cfg: Config) -> Restore:
     # The distributed optimizer's shards follow DP size changes only; without ZeRO they follow the model.
     optimizer_fits = saved["zero"] == mine["zero"] and same_expert_layout and (same_model_layout or mine["zero"] == 0)
     return Restore(model_only, same_model_layout, optimizer_fits,
-                   optimizer=optimizer_fits and not model_only and not cfg.no_load_optim)
+                   optimizer=optimizer_fits and not model_only and not cfg.no_load_optim, starts_lora=starts_lora)
 
 
 @dataclass(frozen=True)

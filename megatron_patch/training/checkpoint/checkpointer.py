@@ -105,7 +105,7 @@ class Checkpointer(SaveSchedule):
         try:
             safe_loading.check_metadata(path)  # DCP itself would swallow the refusal into "metadata is None"
             self.backend.load(path, self.model, self.optimizer, load_optimizer=load_optimizer,
-                              load_rng=same_model_layout and not model_only)
+                              load_rng=same_model_layout and not model_only, without_adapters=restore.starts_lora)
         except (pickle.UnpicklingError, CheckpointException) as e:
             refused = directory.refused_unpickling(e)  # raised by the safe-loading patches (megatron_patch.compat.safe_loading)
             if refused is None:
@@ -132,6 +132,11 @@ class Checkpointer(SaveSchedule):
         elif not optimizer_fits and not self.cfg.no_load_optim:
             notes.append("the optimizer state does not fit this layout (ZeRO-1 state moves between DP sizes only, "
                          "and not between ZeRO stages or expert layouts): optimizer and lr schedule start fresh")
+        if restore.starts_lora:
+            _print0(f"loaded the base weights of {path} (iteration {iteration}) for LoRA: adapters, optimizer, "
+                    f"learning-rate schedule and data start fresh at iteration 0")
+            self.model_info = {**manifest.get("model", {}), **self.model_info, "lora_base": path}
+            return TrainState()
         _print0(f"loaded checkpoint {path} (iteration {iteration})" + ("; " + "; ".join(notes) if notes else ""))
         self.last_saved = iteration if root == self.cfg.save else None
         self.model_info = {**manifest.get("model", {}), **self.model_info}  # keeps e.g. the Hugging Face origin

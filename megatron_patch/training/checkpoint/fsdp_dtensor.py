@@ -64,7 +64,7 @@ def save(path: str, model: List, optimizer, consume_model: bool = False) -> None
         torch.save(rng.capture(), _rng_file(path))
 
 
-def load(path: str, model: List, optimizer, load_optimizer: bool, load_rng: bool) -> None:
+def load(path: str, model: List, optimizer, load_optimizer: bool, load_rng: bool, without_adapters: bool = False) -> None:
     state = _state(model, optimizer, is_loading=True)
     if not load_optimizer:
         del state["optimizer"]
