@@ -238,6 +238,32 @@ def test_packed_per_token_losses_and_gradients_equal_padded(sft_data, monkeypatc
         destroy()
 
 
+def test_packed_rope_in_one_pass_equals_megatron_cores_loop():
+    """The canary of compat.rope.packed_rope_in_one_pass: RoPE of a packed tensor with positions restarting at
+    every boundary equals megatron-core's sequence-by-sequence loop (plain and interleaved rotation)."""
+    import torch
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from megatron_patch.compat.registry import original
+    from megatron_patch.compat.rope import _thd_rope_one_pass
+
+    class OneRank:  # a context-parallel group of one
+        def size(self):
+            return 1
+
+        def rank(self):
+            return 0
+
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 5, 37, 38, 90, 128], dtype=torch.int32)
+    t, freqs = torch.randn(128, 4, 16), torch.randn(52, 1, 1, 16)
+    for interleaved in (False, True):
+        want = original(rope_utils, "_apply_rotary_pos_emb_thd")(t, cu, freqs, rotary_interleaved=interleaved,
+                                                                  cp_group=OneRank())
+        got = _thd_rope_one_pass(t, cu, freqs, rotary_interleaved=interleaved, cp_group=OneRank())
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
 @pytest.fixture(scope="module")
 def padded_run(sft_data, tmp_path_factory):
     """The reference: every conversation padded to its own sample, one process (global batch: all of them)."""

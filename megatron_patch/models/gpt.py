@@ -277,6 +277,10 @@ def build_gpt_model(cfg: Config, vocab_size: int, pre_process: bool = True, post
         rope_scaling_factor=cfg.rope_scaling_factor,
         vp_stage=vp_stage,
     )
+    if cfg.sft and cfg.pack_sequences:
+        from megatron_patch.compat.rope import packed_rope_in_one_pass
+
+        packed_rope_in_one_pass()
     if cfg.use_rope_scaling:
         from megatron_patch.compat.rope import llama3_rope_scaling
 
