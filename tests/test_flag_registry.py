@@ -33,6 +33,9 @@ RAPIDFORMER_DEFAULTS = {
     'cpu_offload': False, 'checkpoint_activations': False, 'optimizers': 'apex_adam', 'torch_compile': False,
     'torch_compile_mode': None, 'onnx_runtime_training': False, 'tensor_model_parallel_size': 1,
     'pipeline_model_parallel_size': 1, 'num_layers_per_virtual_pipeline_stage': None,
+    # issue 30: LoRA through peft (off by default)
+    'lora_rank': 0, 'lora_alpha': 32.0, 'lora_dropout': 0.0,
+    'lora_target': ['linear_qkv', 'linear_proj', 'linear_fc1', 'linear_fc2'],
 }
 
 

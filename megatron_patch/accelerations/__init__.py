@@ -6,6 +6,7 @@
 One module per switch, each a short function of the model (and the config), built on torch.distributed
 (DDP, FSDP2 `fully_shard`, ZeroRedundancyOptimizer) and torch (checkpointing, torch.compile, autocast):
 
+    lora.py                      --lora-rank (peft's LoRA adapters; the rest frozen)
     activation_checkpointing.py  --checkpoint-activations
     onnx_runtime.py              --onnx-runtime-training (ORTModule; optional extra, see compat/onnx_runtime.py)
     data_parallel.py             DDP; --zero-2/--oss-sdp and --zero-3/--fsdp (FSDP2), FSDP2 CPU offload
@@ -17,6 +18,9 @@ One module per switch, each a short function of the model (and the config), buil
 
 The order `accelerate` applies them in, and why
 ------------------------------------------------
+0. LoRA (peft)                wraps the plain model first: every later switch and the optimizer see the PeftModel,
+                              whose trainable parameters are the adapters (and a task head); a given optimizer is
+                              rebuilt over them with its class and defaults.
 1. activation checkpointing   marks the layers to recompute; it must see the plain Hugging Face model, and
                               FSDP2's hooks must end up outside the recomputed region.
 2. ONNX Runtime (ORTModule)   exports the plain (checkpointed) model; DDP then wraps ORTModule.
@@ -83,6 +87,7 @@ def accelerate(model: torch.nn.Module, args, device: torch.device,
     world = world_size()
     stage, stage_attr = partitioning(args)
     offload = bool(getattr(args, "cpu_offload", False))
+    lora = bool(getattr(args, "lora_rank", 0))
     fsdp = world > 1 and stage >= 2
     zero_1 = world > 1 and stage == 1
     # fp16 with several workers scales with ShardedGradScaler, which breaks torch's fused AdamW when that is the
@@ -90,14 +95,20 @@ def accelerate(model: torch.nn.Module, args, device: torch.device,
     fused_breaks = world > 1 and bool(getattr(args, "mixed_precision", False)) and not zero_1 \
         and not (offload and not fsdp)
     unfuse = optimizer is not None and fused_breaks and fused(optimizer)
-    rebuild = fsdp or zero_1 or offload or unfuse
+    rebuild = fsdp or zero_1 or offload or unfuse or lora
     if rebuild and has_state(optimizer):
         raise ValueError("accelerate(): the given optimizer already has state (it has stepped or loaded a "
                          "checkpoint), but the memory switches rebuild it over new parameters and would drop it; "
                          "pass a fresh optimizer and load its state into the one accelerate() returns")
+    applied: List[str] = []
+    # 0. LoRA
+    if lora:
+        from .lora import apply_lora
+
+        model, phrase = apply_lora(model, args)
+        applied.append(phrase)
     base = model.to(device)
     names = {id(p): n for n, p in base.named_parameters()}
-    applied: List[str] = []
 
     # 1. activation checkpointing
     if getattr(args, "checkpoint_activations", False):
@@ -127,6 +138,13 @@ def accelerate(model: torch.nn.Module, args, device: torch.device,
         cls, kwargs, what = choose_optimizer(args, step_device, sharded=fsdp, sharded_scaler=fused_breaks)
         optimizer, phrases = build_optimizer(groups, cls, kwargs, cpu_offload=offload_wrapper, zero_1=zero_1)
         applied.append(f"optimizer: {what}, weight decay {args.weight_decay:g} except biases and norm weights")
+    elif rebuild and lora:  # the given optimizer holds the frozen base, not the new adapters
+        cls = type(optimizer)
+        optimizer, phrases = build_optimizer(weight_decay_groups(base, args.weight_decay), cls,
+                                             constructor_kwargs(cls, optimizer.defaults), cpu_offload=offload_wrapper,
+                                             zero_1=zero_1)
+        applied.append(f"optimizer: the given {cls.__name__} rebuilt over the LoRA adapters with its class and "
+                       f"defaults")
     elif rebuild:
         cls = type(optimizer)
         groups = remap_groups(optimizer, names, dict(base.named_parameters()))

@@ -120,6 +120,10 @@ onnx_runtime_training                  acts       acts       acts       acts    
 tensor_model_parallel_size             no         no         no         no         acts
 pipeline_model_parallel_size           no         no         no         no         acts
 num_layers_per_virtual_pipeline_stage  no         no         no         no         acts
+lora_rank                              acts       acts       acts       acts       no
+lora_alpha                             acts       acts       acts       acts       no
+lora_dropout                           acts       acts       acts       acts       no
+lora_target                            acts       acts       acts       acts       no
 """
 
 
@@ -200,6 +204,9 @@ PURPOSE: Dict[str, str] = {
                                     "whose model is megatron_patch.models.GPTModel()); a Hugging Face model is "
                                     "trained data parallel (--zero-3-memory-optimization shards it)",
     "num_layers_per_virtual_pipeline_stage": "the interleaved pipeline schedule of a Megatron model",
+    **{k: "LoRA adapters on a Hugging Face model (peft); a Megatron model's LoRA is the engine's: "
+          "pretrain_scripts/run_sft.sh or pretrain_megatron_gpt.py --lora-rank"
+       for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_target")},
 }
 # a value that leaves the run as it is: given explicitly, it is not refused
 NEUTRAL = {"tensor_model_parallel_size": 1, "pipeline_model_parallel_size": 1}

@@ -31,6 +31,7 @@ ALL = frozenset(ENTRY_NAMES)
 FRONT = frozenset({RAPIDFORMER})
 BERT_ONLY = frozenset({BERT})
 GPT_ONLY = frozenset({GPT})
+GPT_LORA = frozenset({GPT, RAPIDFORMER})  # the engine's LoRA layers, and peft's on Hugging Face models
 
 STORE_TRUE, STORE_FALSE = "store_true", "store_false"
 _SAME = object()  # a Front field left as the engine's
@@ -277,13 +278,13 @@ FLAGS: Tuple[Flag, ...] = (
            "input embedding's"),
         _f("--disable-bias-linear", STORE_TRUE, ENGINE, "no biases in the linear layers"),
         _f("--add-qkv-bias", STORE_TRUE, ENGINE, "biases on the query/key/value projection (Qwen2)"),
-        _f("--lora-rank", int, GPT_ONLY, "LoRA: train adapters of this rank on --lora-target, every other weight "
-           "frozen (0: off)"),
-        _f("--lora-alpha", float, GPT_ONLY, "LoRA: the adapters' output is scaled by alpha / rank"),
-        _f("--lora-dropout", float, GPT_ONLY, "LoRA: dropout on the adapters' input"),
-        _f("--lora-target", str, GPT_ONLY, "LoRA: the layers adapted, Megatron names (linear_qkv linear_proj "
-           "linear_fc1 linear_fc2) or Hugging Face ones (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj)",
-           nargs="+"),
+        _f("--lora-rank", int, GPT_LORA, "LoRA: train adapters of this rank on --lora-target, every other weight "
+           "frozen (0: off); Hugging Face models through peft"),
+        _f("--lora-alpha", float, GPT_LORA, "LoRA: the adapters' output is scaled by alpha / rank"),
+        _f("--lora-dropout", float, GPT_LORA, "LoRA: dropout on the adapters' input"),
+        _f("--lora-target", str, GPT_LORA, "LoRA: the layers adapted, Megatron names (linear_qkv linear_proj "
+           "linear_fc1 linear_fc2; the default, for a Hugging Face model every linear layer but the output head) "
+           "or Hugging Face module names (q_proj k_proj v_proj o_proj gate_proj up_proj down_proj ...)", nargs="+"),
     ),
     *_concern(
         "moe",

@@ -141,7 +141,9 @@ class Finetuner:
         reporter.close()
         if args.save:
             save_pretrained(model, args.save, self.tokenizer)
-            log.info(f"saved the model{' and tokenizer' if self.tokenizer is not None else ''} to {args.save} "
+            what = "the LoRA adapter (PEFT's adapter_config.json, adapter_model.safetensors)" \
+                if getattr(args, "lora_rank", 0) else "the model"
+            log.info(f"saved {what}{' and tokenizer' if self.tokenizer is not None else ''} to {args.save} "
                      "(save_pretrained)")
         return validator.last
 
