@@ -11,11 +11,11 @@ from megatron_patch.demo.task_files import write_task_dataset
 
 
 def test_black_box_lora_with_fsdp_saves_a_peft_adapter(tmp_path):
-    data = write_task_dataset("sequence_classification", str(tmp_path / "data"), n_train=200, n_valid=50, n_test=20)
+    data = write_task_dataset("sequence_classification", str(tmp_path / "data"), n_train=96, n_valid=32, n_test=16)
     model = tiny_model("bert", str(tmp_path / "model"))
     save = tmp_path / "out"
     proc = rapidformer("--task", "sequence_classification", "--pretrained-model-name-or-path", model, "--data-path",
-                       data, "--micro-batch-size", "16", "--seq-length", "96", "--lr", "3e-3", "--epochs", "2",
+                       data, "--micro-batch-size", "16", "--seq-length", "96", "--lr", "3e-3", "--epochs", "1",
                        "--save", str(save), "--lora-rank", "8", "--lora-alpha", "16", "--lora-target", "query", "value",
                        "--nproc-per-node", "2", "--fsdp-memory-optimization")
     assert proc.returncode == 0, explain(proc)
@@ -43,4 +43,4 @@ def test_black_box_lora_with_fsdp_saves_a_peft_adapter(tmp_path):
         match = [p for n, p in params.items() if n == name or n == k.replace("classifier.", "classifier.modules_to_save.default.")]
         assert match and torch.equal(match[0].detach(), v), k
     assert all(v.abs().max() > 0 for k, v in saved.items() if ".lora_B." in k)  # trained (B starts at 0)
-    assert [x["epoch"] for x in valid] == [1, 2]
+    assert [x["epoch"] for x in valid] == [1]
