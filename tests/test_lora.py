@@ -73,22 +73,26 @@ def test_base_is_frozen_and_holds_no_training_state(reference):
     assert f"{trainable / 1e6:.3f}M trainable" in proc.stdout
 
 
-def test_lora_resumes_exactly_and_starts_from_a_base_checkpoint(tmp_path):
+def test_lora_resumes_exactly(tmp_path):
     """Dropout on (hidden, attention and the adapters'): stopped at 3 and resumed, the last two iterations and the
-    weights equal the uninterrupted run's. A checkpoint without adapters (a base) loaded by a LoRA run gives its
-    weights as the frozen base and starts at iteration 0."""
+    weights equal the uninterrupted run's; the adapters' settings come from the checkpoint."""
     drop = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1", "--lora-dropout", "0.1"]
     straight, _ = run_engine(tmp_path / "a", 1, *LORA, *drop, "--save", str(tmp_path / "s"), base=LLAMA)
     first, _ = run_engine(tmp_path / "b", 1, *LORA, *drop, "--exit-interval", "3", "--save", str(tmp_path / "ck"),
                           base=LLAMA)
     second, proc = run_engine(tmp_path / "c", 1, *drop, "--load", str(tmp_path / "ck"), "--save", str(tmp_path / "ck"),
-                              base=LLAMA)  # the adapters' settings come from the checkpoint
+                              base=LLAMA)
     assert "(iteration 3)" in proc.stdout and "LoRA rank 4" in proc.stdout
     assert train_losses(first) + train_losses(second) == pytest.approx(train_losses(straight), rel=1e-6)
     a, b = full_weights(str(tmp_path / "s" / "iter_0000005")), full_weights(str(tmp_path / "ck" / "iter_0000005"))
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6, msg=k)
 
+
+@pytest.mark.slow  # CI time; a mistake here fails loudly (a missing-key error), not silently
+def test_lora_starts_from_a_base_checkpoint(tmp_path):
+    """A checkpoint without adapters (a base) loaded by a LoRA run gives its weights as the frozen base and starts at
+    iteration 0; a PEFT export of it is refused (it has no adapters)."""
     run_engine(tmp_path / "base", 1, "--save", str(tmp_path / "base_ck"), "--train-iters", "2", base=LLAMA)
     lines, proc = run_engine(tmp_path / "d", 1, *LORA, "--load", str(tmp_path / "base_ck"), "--save",
                              str(tmp_path / "lora_ck"), base=LLAMA)

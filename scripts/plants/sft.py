@@ -102,7 +102,7 @@ PLANTS = [
          original="                              load_rng=same_model_layout and not model_only, without_adapters=restore.starts_lora)",
          replacement="                              load_rng=same_model_layout and not model_only, without_adapters=True)",
          property="a LoRA checkpoint resumes with its trained adapters",
-         tests=[f"{LORA}::test_lora_resumes_exactly_and_starts_from_a_base_checkpoint"]),
+         tests=[f"{LORA}::test_lora_resumes_exactly"]),
     dict(name="rapidformer-lora-ignored", file="megatron_patch/accelerations/__init__.py",
          original='    lora = bool(getattr(args, "lora_rank", 0))',
          replacement="    lora = False",
