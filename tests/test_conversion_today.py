@@ -244,11 +244,13 @@ def test_canary_megatron_core_hard_codes_the_llama3_bounds():
 
 # ------------------------------------------------------------------------------------------------- the CLI
 
-FAST = [("llama3", "2", "1", "1"), ("qwen3", "1", "2", "1"), ("qwen3_moe", "2", "1", "2"),
-        ("deepseek_v2", "2", "1", "2")]  # (family, TP, PP, EP)
+FAST = [("llama3", "2", "1", "1"),
+        # slow (CI time): qwen3_moe converts the same q/k-norm attention rules through the same engine_args
+        pytest.param("qwen3", "1", "2", "1", marks=pytest.mark.slow, id="qwen3"),
+        ("qwen3_moe", "2", "1", "2"), ("deepseek_v2", "2", "1", "2")]  # (family, TP, PP, EP)
 
 
-@pytest.mark.parametrize("family,tp,pp,ep", FAST, ids=[f[0] for f in FAST])
+@pytest.mark.parametrize("family,tp,pp,ep", FAST, ids=[f[0] if isinstance(f, tuple) else f.id for f in FAST])
 def test_each_family_converts_verifies_and_comes_back_bit_for_bit(family, tp, pp, ep, tmp_path):
     src = save_hf_model(family, str(tmp_path / "hf"))
     ck, out = str(tmp_path / "ck"), str(tmp_path / "exported")

@@ -127,6 +127,7 @@ def test_bert_sample_resumes_exactly(corpora, tmp_path, sharding):
 
 
 # ---- black-box --task pretraining ----------------------------------------------------------------------------------
+@pytest.mark.slow  # CI time: black-box pretraining is test_blackbox_causal_pretraining_...; BERT's MLM + NSP the PreTrainer's
 def test_blackbox_bert_pretraining_howto_command_loss_falls(corpora, tmp_path):
     """The how-to's black-box command (--fsdp-memory-optimization; ORT and fp16 left out on a CPU) with the
     real MiniLM directory and tiny shape flags: new weights (said in the log), MLM + NSP loss falls, the model
