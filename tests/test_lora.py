@@ -30,10 +30,11 @@ def reference(tmp_path_factory):
 LAYOUTS = {  # name: (processes, flags)
     # the adapters' sequence-parallel paths (gathered input, reduce-scattered partial sums, B's gradient over TP)
     "tp2_sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
-    # without sequence parallelism (all-reduced partial sums), pipelined, the distributed optimizer holding adapters
-    "tp2_pp2_zero1": (4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                          "--zero-1-memory-optimization"]),
-    # breadth (CI time): data parallelism with the adapters' optimizer state sharded, PP alone
+    # without sequence parallelism: all-reduced partial sums
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    # slow (CI time): pipelined with the distributed optimizer holding the adapters, data parallel, PP alone
+    "tp2_pp2_zero1": pytest.param((4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                                       "--zero-1-memory-optimization"]), marks=pytest.mark.slow),
     "dp2_zero1": pytest.param((2, ["--zero-1-memory-optimization"]), marks=pytest.mark.slow),
     "pp2": pytest.param((2, ["--pipeline-model-parallel-size", "2"]), marks=pytest.mark.slow),
 }

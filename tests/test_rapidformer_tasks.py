@@ -120,6 +120,7 @@ def _pairs_and_model(tmp_path):
     return data, tiny_model("bert", str(tmp_path / "model"))
 
 
+@pytest.mark.slow  # CI time: the Finetuner template is guarded by tests/test_finetuner_loop.py
 def test_howto_finetuner_script_runs_with_its_command(tmp_path):
     """The how-to's white-box Finetuner sample (examples/) with the how-to's command: ZeRO-3 and fp16 mixed
     precision on 2 workers (--onnx-runtime-training dropped: ORT is refused with FSDP, see the README)."""

@@ -22,6 +22,7 @@ def run_sft(tmp_path, *args, **env):
                           text=True, env=full, timeout=900)
 
 
+@pytest.mark.slow  # CI time: each part (data, packed SFT, LoRA, export) is guarded by test_sft.py and test_lora.py
 def test_run_sft_sh_checks_its_demo_configuration(tmp_path):
     """No arguments but --validate-only: the demo is built (chat set, tokenizer, model, rendered data) and the whole
     configuration is checked for the launch: SFT on the model's own directory, packed, loss on assistant tokens."""
