@@ -1,8 +1,10 @@
-"""Run the pretraining entry point as users do (torchrun, several CPU processes with gloo) and read back
-its per-iteration metrics and the full (unsharded) weights of its checkpoint.
+"""Run the pretraining entry point as users do (torchrun, several CPU processes with gloo; or, for tests of what the
+processes compute, the same processes started directly: run_engine's torchrun=False) and read back its
+per-iteration metrics and the full (unsharded) weights of its checkpoint.
 
 Run as a script (by `run_counting_forwards_together`), this file trains like the entry point while counting the
-forward calls of every transformer layer and core attention, one run after another in one process."""
+forward calls of every transformer layer and core attention, one run after another in one process; by
+`run_engines_in_one_process`, it runs the entry point's main() for several one-process runs in turn."""
 from __future__ import annotations
 
 import collections
@@ -32,20 +34,64 @@ def run_engine(workdir, nproc: int, *args: str, base=TINY, check: bool = True, t
                torchrun: bool = None):
     """Run pretrain_megatron_gpt.py (or `script`: [path, its own arguments...]) under torchrun, or for one process
     plainly (`python pretrain_megatron_gpt.py`, the entry point's documented single-process launch, which saves
-    torchrun's own start-up of about 2 s; torchrun=True keeps it); returns (metrics lines, completed process)."""
+    torchrun's own start-up of about 2 s; torchrun=True keeps it); returns (metrics lines, completed process).
+    torchrun=False with several processes: started directly, as torchrun starts its workers (the same RANK,
+    LOCAL_RANK, WORLD_SIZE and MASTER_ADDR/PORT; all stopped when one fails), without torchrun's own process
+    (about 1.5 s a launch, CI time) -- for tests of what the processes compute, not of how torchrun runs them."""
     os.makedirs(workdir, exist_ok=True)
     metrics = os.path.join(str(workdir), "metrics.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
-                str(free_port())] if nproc > 1 or torchrun else [sys.executable]
-    cmd = [*launcher, *(script or [os.path.join(ROOT, "pretrain_megatron_gpt.py")]), *base, *args, "--metrics-file", metrics]
+    entry = [*(script or [os.path.join(ROOT, "pretrain_megatron_gpt.py")]), *base, *args, "--metrics-file", metrics]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(workdir), env=env, timeout=timeout)
+    if nproc > 1 and torchrun is False:
+        proc = _run_workers_directly(nproc, [sys.executable, *entry], str(workdir), env, timeout)
+    else:
+        launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
+                    str(free_port())] if nproc > 1 or torchrun else [sys.executable]
+        proc = subprocess.run([*launcher, *entry], capture_output=True, text=True, cwd=str(workdir), env=env,
+                              timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"engine failed ({proc.returncode}): {' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     lines = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
     return lines, proc
+
+
+def _run_workers_directly(nproc: int, cmd: List[str], cwd: str, env: Dict[str, str], timeout: int):
+    """`cmd` as `nproc` workers of one gloo job, each with torchrun's environment of a single node; when one exits
+    with an error the others are killed (as torchrun does). The completed process's output is rank 0's, then the
+    others' in rank order, and its status that of the first worker that failed."""
+    import tempfile
+    import time
+
+    port = str(free_port())
+    workers = []
+    for rank in range(nproc):
+        out, err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        rank_env = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                        GROUP_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        workers.append((subprocess.Popen(cmd, cwd=cwd, env=rank_env, stdout=out, stderr=err, text=True), out, err))
+    deadline, failed = time.monotonic() + timeout, None
+    try:
+        while None in [p.poll() for p, _, _ in workers]:  # (every worker polled: poll() sets returncode)
+            failed = next((p.returncode for p, _, _ in workers if p.returncode), None)
+            if failed:  # one failed: the others would wait for it forever
+                break
+            if time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(cmd, timeout)
+            time.sleep(0.05)
+    finally:
+        for p, _, _ in workers:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    texts = []
+    for _, out, err in workers:
+        out.seek(0), err.seek(0)
+        texts.append((out.read(), err.read()))
+        out.close(), err.close()
+    status = failed or next((p.returncode for p, _, _ in workers if p.returncode), 0)
+    return subprocess.CompletedProcess(cmd, status, "".join(o for o, _ in texts), "".join(e for _, e in texts))
 
 
 def train_losses(lines: List[dict]) -> List[float]:
@@ -55,6 +101,30 @@ def train_losses(lines: List[dict]) -> List[float]:
 def per_iteration(lines: List[dict], key: str) -> List[float]:
     """`key` of every training iteration (validation records have no loss)."""
     return [x[key] for x in lines if "loss" in x]
+
+
+def run_engines_in_one_process(workdir, runs: Dict[str, List[str]], base=TINY):
+    """run_engine(workdir / name, 1, *flags) for each of `runs` (name -> flags), one after another in one Python
+    process: the entry point's main() each time, in a fresh copy of the launch environment (each run starts and
+    tears down its own process group and seeds every RNG anew), so the start-up (torch, megatron-core: seconds)
+    is paid once. Returns (name -> metrics lines, the completed process, whose output is every run's)."""
+    jobs = []
+    for name, args in runs.items():
+        os.makedirs(os.path.join(str(workdir), name), exist_ok=True)
+        metrics = os.path.join(str(workdir), name, "metrics.jsonl")
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        jobs.append({"argv": [*base, *args, "--metrics-file", metrics], "cwd": os.path.join(str(workdir), name)})
+    with open(os.path.join(str(workdir), "engine_jobs.json"), "w") as f:
+        json.dump(jobs, f)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--main",
+                           os.path.join(str(workdir), "engine_jobs.json")], capture_output=True, text=True,
+                          cwd=str(workdir), env=env, timeout=900)
+    if proc.returncode != 0:
+        raise AssertionError(f"engine runs failed ({proc.returncode}): {list(runs)}\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
+    return {name: [json.loads(x) for x in open(job["argv"][-1])] for name, job in zip(runs, jobs)}, proc
 
 
 def run_counting_forwards(workdir, *args: str, base=TINY):
@@ -174,14 +244,23 @@ def full_weights(checkpoint: str) -> Dict[str, torch.Tensor]:
     return flat
 
 
-if __name__ == "__main__":  # run_counting_forwards_together: engine_utils.py --count-forwards JOBS.json
+if __name__ == "__main__":  # engine_utils.py --count-forwards JOBS.json (run_counting_forwards_together)
+    # or --main JOBS.json (run_engines_in_one_process)
     sys.path.insert(0, ROOT)  # the engine of this tree, as pretrain_megatron_gpt.py would import it
     launch_env = dict(os.environ)
     with open(sys.argv[2]) as f:
         for job in json.load(f):
             os.environ.clear()  # the environment of a fresh process (initialize() records its rank and port there)
             os.environ.update(launch_env)
-            _count_forwards_main(job["counts"], job["argv"])
+            if sys.argv[1] == "--count-forwards":
+                _count_forwards_main(job["counts"], job["argv"])
+                continue
+            from megatron_patch.cli.pretrain import main
+
+            os.chdir(job["cwd"])
+            status = main(job["argv"], model="gpt")
+            if status:
+                sys.exit(status)
 
 
 def assert_trains_like(reference, lines: List[dict], weights: Dict[str, torch.Tensor]) -> None:

@@ -34,6 +34,24 @@ def tp2_results(tmp_path, body: Callable, flags, **env: str) -> dict:
         return json.load(f)
 
 
+# The TP2 checks of both fused losses (each test module's `_tp_body`), run in one spawn of two processes on first use
+# (CI time: the processes' start-up once); the Triton one in Triton's interpreter, which the linear loss never calls
+TP2_BODIES = {"linear": "test_linear_cross_entropy", "triton": "test_triton_cross_entropy"}
+_tp2_bodies_results: Dict[str, dict] = {}
+
+
+def tp2_results_of(name: str, tmp_path_factory) -> dict:
+    """Rank 0's result of TP2_BODIES[name]._tp_body at TP2 (see tp2_results), from the spawn that runs them all."""
+    if not _tp2_bodies_results:
+        _tp2_bodies_results.update(tp2_results(tmp_path_factory.mktemp("tp2_fused_losses"), _all_tp2_bodies, [],
+                                               TRITON_INTERPRET="1"))
+    return _tp2_bodies_results[name]
+
+
+def _all_tp2_bodies(rank: int, group) -> dict:
+    return {name: importlib.import_module(module)._tp_body(rank, group) for name, module in TP2_BODIES.items()}
+
+
 def _tp2_worker(rank: int, port: int, out: str, body: Callable, flags, env: Dict[str, str]) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE="2", **env)

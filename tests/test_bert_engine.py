@@ -79,7 +79,7 @@ SLOW = ("dp2_zero1", "tp2_pp2")
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in LAYOUTS])
 def test_layout_matches_single_process(name, reference, bert_flags, tmp_path):
     nproc, args = LAYOUTS[name]
-    lines, _ = run_bert(tmp_path, nproc, bert_flags, *args)
+    lines, _ = run_bert(tmp_path, nproc, bert_flags, *args, torchrun=False)
     assert_same_run(lines, reference[0])
 
 

@@ -7,8 +7,8 @@ TP size divides): gpt2 (tied, gelu_new, Conv1D), llama (GQA, untied, default pad
 1. The matrix, 4 families x TP1PP1/TP2PP1/TP1PP2/TP2PP2: hf2mcore --verify and mcore2hf --verify pass;
    the export holds every original tensor bit for bit (same names, dtypes, bytes; a tied lm_head absent
    in both); its config loads with AutoConfig / AutoModelForCausalLM and generates what the original
-   generates. All slow (`make test-all`) for CI time: the default lane has Qwen2-MoE's round trip at EP2
-   (test_conversion_moe) and the --load-hf and round-trip tests (test_conversion_training).
+   generates. All slow (`make test-all`) for CI time: the default lane has the round trips of today's families
+   (test_conversion_today) and the --load-hf and round-trip tests (test_conversion_training).
 2. Checkpoints the engine wrote while training (from a converted checkpoint with ZeRO-1 in another
    layout; from --load-hf with ZeRO-2) export and verify.
 3. Errors a converter makes (swapped Q/K blocks, Meta's interleaved rotary layout, an untransposed square
@@ -35,9 +35,10 @@ from conversion_utils import (  # noqa: E402
 )
 from engine_utils import run_engine  # noqa: E402
 
-# All 16 run in make test-all (CI time). In the default lane instead: the tensor-exact round trip of Qwen2-MoE at
-# EP2 (test_conversion_moe), --load-hf of GPT-2 and Llama at TP2 x PP2 against HF's loss and the exported model's
-# validation loss against HF's (test_conversion_training), the tables' every-tensor checks (below)
+# All 16 run in make test-all (CI time). In the default lane instead: the tensor-exact round trips of today's families
+# (test_conversion_today: Llama 3 at PP2, Qwen3-MoE at TP2, DeepSeek-V2 at TP2 x EP2), --load-hf of Llama at TP2 x PP2
+# and GPT-2 at PP2 against HF's loss and the exported model's validation loss against HF's (test_conversion_training),
+# the tables' every-tensor checks (below)
 FAST = set()
 MATRIX = [pytest.param(f, lay, id=f"{f}-{lay}", marks=() if (f, lay) in FAST else pytest.mark.slow)
           for f in FAMILIES for lay in LAYOUTS]

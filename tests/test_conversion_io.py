@@ -208,7 +208,7 @@ def checkpoint(tmp_path_factory):
         if name not in done:
             nproc, family, layout = RUNS[name]
             save = str(root / name / "ckpt")
-            run_engine(root / name, nproc, *ONE_ITER, *family, *layout, "--save", save)
+            run_engine(root / name, nproc, *ONE_ITER, *family, *layout, "--save", save, torchrun=False)
             done[name] = save
         return done[name]
     return get

@@ -13,8 +13,8 @@ max |logit difference| <= 1e-4 in fp32 and the same top-1 token.
    (routing options, dense/sparse layers, shared expert); megatron-core's router with the chosen options
    picks transformers' experts with transformers' weights; --moe-layer-freq lists; presets validate.
 2. The CLI (torchrun workers): hf2mcore --verify at EP 2 (and TP2 x EP2, TP2 x EP2 x ETP1, PP2 x EP2, EP1),
-   mcore2hf back, every tensor bit for bit (`make test-all`; the default lane has qwen3_moe and deepseek_v2 at
-   TP2 x EP2 in test_conversion_today).
+   mcore2hf back, every tensor bit for bit (`make test-all`; the default lane has qwen3_moe at TP2 and deepseek_v2
+   at TP2 x EP2 x ETP1 in test_conversion_today).
 3. Planted bugs (slow): Mixtral's w1/w3 swapped on import, and EP ranks given each other's experts, fail
    --verify; experts numbered per EP rank (the EP offset forgotten) are refused by the coverage check.
 4. The presets' tiny models train (slow) and their checkpoints export and verify.
@@ -42,8 +42,9 @@ from megatron_patch.conversion.mapping import ConversionError, check_coverage  #
 # name -> (TP, PP, EP, ETP or None for TP)
 LAYOUTS = {"ep1": (1, 1, 1, None), "ep2": (1, 1, 2, None), "tp2_ep2": (2, 1, 2, None),
            "tp2_ep2_etp1": (2, 1, 2, 1), "pp2_ep2": (1, 2, 2, None)}
-# CI time: all in make test-all; the default lane converts this family at TP2 x EP2 as Qwen3-MoE (the same table,
-# test_conversion_today) and checks Qwen2-MoE's shared expert and gate in-process (above)
+# CI time: all in make test-all; the default lane converts this family's table at TP2 as Qwen3-MoE (experts over ETP 2)
+# and its routed-expert rules (ROUTED) at TP2 x EP2 as DeepSeek-V2 (test_conversion_today), and checks Qwen2-MoE's
+# shared expert and gate in-process (above)
 FAST = set()
 
 

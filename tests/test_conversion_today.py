@@ -10,9 +10,12 @@ Hugging Face to the engine and back.
    original context (megatron-core hard-codes 1, 4 and 8192: compat.rope.llama3_rope_scaling); the canary says
    when megatron-core no longer needs the patch.
 5. The CLI, one representative layout per family (the family x layout matrix is in test_conversion_families and
-   test_conversion_moe, slow): llama3 at TP2 (the 2 query groups split over the ranks), qwen3 at PP2, qwen3_moe
-   and deepseek_v2 at TP2 x EP2: hf2mcore --verify against transformers, mcore2hf back bit for bit, and (dense)
-   the export generates what the original generates.
+   test_conversion_moe, slow): hf2mcore --verify against transformers, mcore2hf back bit for bit, and (dense) the
+   export generates what the original generates. The default lane runs 2 workers each: llama3 at PP2, qwen3_moe at
+   TP2 (its 2 query groups and q/k norms over the ranks, the experts sliced over ETP 2) and deepseek_v2 at TP2 x EP2
+   x ETP1 (multi-latent attention over TP 2, whole experts split over EP 2: the routed-expert rules are Qwen-MoE's).
+   Slow (CI time): qwen3 at PP2 (the q/k norm rules are qwen3_moe's), llama3 at TP2, and the 4-worker TP2 x EP2
+   (ETP 2) layouts of qwen3_moe and deepseek_v2.
 """
 from __future__ import annotations
 
@@ -244,22 +247,33 @@ def test_canary_megatron_core_hard_codes_the_llama3_bounds():
 
 # ------------------------------------------------------------------------------------------------- the CLI
 
-FAST = [("llama3", "2", "1", "1"),
-        # slow (CI time): qwen3_moe converts the same q/k-norm attention rules through the same engine_args
-        pytest.param("qwen3", "1", "2", "1", marks=pytest.mark.slow, id="qwen3"),
-        ("qwen3_moe", "2", "1", "2"), ("deepseek_v2", "2", "1", "2")]  # (family, TP, PP, EP)
+# id -> (family, TP, PP, EP, ETP or None for TP's, slow). CI time: the default lane keeps every property at 2 workers
+# (see 5. above); the slow ones add breadth
+LAYOUTS = {
+    "llama3": ("llama3", 1, 2, 1, None, False),  # PP2: the only default-lane conversion over pipeline stages
+    "llama3_tp2": ("llama3", 2, 1, 1, None, True),  # the 2 query groups over TP 2: qwen3_moe's (GQA, TP2) in the default lane
+    "qwen3": ("qwen3", 1, 2, 1, None, True),  # the q/k norms (llama table): qwen3_moe's in the default lane
+    "qwen3_moe": ("qwen3_moe", 2, 1, 1, None, False),  # 2 query groups, q/k norms and the experts (ETP 2) over TP 2
+    "qwen3_moe_tp2_ep2": ("qwen3_moe", 2, 1, 2, None, True),  # 4 workers
+    "deepseek_v2": ("deepseek_v2", 2, 1, 2, 1, False),  # MLA over TP 2, 2 whole experts per EP rank
+    "deepseek_v2_tp2_ep2_etp2": ("deepseek_v2", 2, 1, 2, None, True),  # 4 workers
+}
 
 
-@pytest.mark.parametrize("family,tp,pp,ep", FAST, ids=[f[0] if isinstance(f, tuple) else f.id for f in FAST])
-def test_each_family_converts_verifies_and_comes_back_bit_for_bit(family, tp, pp, ep, tmp_path):
+@pytest.mark.parametrize("family,tp,pp,ep,etp", [pytest.param(*c[:5], id=i, marks=pytest.mark.slow if c[5] else ())
+                                                  for i, c in LAYOUTS.items()])
+def test_each_family_converts_verifies_and_comes_back_bit_for_bit(family, tp, pp, ep, etp, tmp_path):
     src = save_hf_model(family, str(tmp_path / "hf"))
     ck, out = str(tmp_path / "ck"), str(tmp_path / "exported")
     proc = run_convert("--direction", "hf2mcore", "--load-dir", src, "--save-dir", ck, "--verify",
-                       "--target-tensor-model-parallel-size", tp, "--target-pipeline-model-parallel-size", pp,
-                       "--target-expert-model-parallel-size", ep, "--make-vocab-size-divisible-by", "1")
+                       "--target-tensor-model-parallel-size", str(tp), "--target-pipeline-model-parallel-size", str(pp),
+                       "--target-expert-model-parallel-size", str(ep),
+                       *(["--target-expert-tensor-parallel-size", str(etp)] if etp else []),
+                       "--make-vocab-size-divisible-by", "1")
     assert proc.returncode == 0 and "verify passed" in proc.stdout, explain(proc)
     m = manifest(ck)
-    assert (m["layout"]["tp"], m["layout"]["pp"], m["layout"].get("ep", 1)) == (int(tp), int(pp), int(ep))
+    assert (m["layout"]["tp"], m["layout"]["pp"], m["layout"].get("ep", 1)) == (tp, pp, ep)
+    assert m["layout"].get("etp", tp) == (etp or tp)
     assert m["config"]["save"] == ck  # the directory it was published as, not the staging one
     assert sorted(os.listdir(tmp_path)) == ["ck", "hf"], "hf2mcore left its staging directory or wrote elsewhere"
     proc = run_convert("--direction", "mcore2hf", "--load-dir", ck, "--save-dir", out, "--no-verify")

@@ -1,10 +1,11 @@
 """Conversion proved by training: the engine's losses equal Hugging Face's on the same samples.
 
 1. `--load-hf`: a tiny Llama (GQA, untied, vocabulary larger than the tokenizer's and padded further by
-   the engine) and a tiny GPT-2 (tied, gelu_new) with random weights train one iteration at TP2 PP2
-   (4 processes); the first training loss equals the Hugging Face model's loss on the same global batch
-   (fp32, 1e-5 relative). The batch is rebuilt here from the same parsed configuration, and the loss
-   reduced as forward_step does (token mean over the loss mask per micro batch, mean over micro batches).
+   the engine) at TP2 PP2 (4 processes) and a tiny GPT-2 (tied across the pipeline stages, gelu_new, Conv1D)
+   at PP2 (2 processes; at TP2 PP2 in the slow lane, CI time) with random weights train one iteration; the
+   first training loss equals the Hugging Face model's loss on the same global batch (fp32, 1e-5 relative).
+   The batch is rebuilt here from the same parsed configuration, and the loss reduced as forward_step does
+   (token mean over the loss mask per micro batch, mean over micro batches).
 2. A real round trip: `pretrain_scripts/run_gpt.sh` trains the demo GPT (conftest's gpt_demo, shared with
    test_run_gpt_script), `tools/convert_checkpoint.py --direction mcore2hf --verify` exports it, and
    transformers' GPT2LMHeadModel, read from the export,
@@ -123,9 +124,13 @@ def _perturb_norms(model) -> None:
 
 
 LOAD_HF_CASES = {
-    # family: (builder, extra rows beyond the tokenizer, extra engine flags)
-    "llama": (tiny_llama, 37, ["--eod-mask-loss"]),  # vocab larger than the tokenizer's; EOD masked out of the loss
-    "gpt2": (tiny_gpt2, 0, []),
+    # case: (builder, extra rows beyond the tokenizer, extra engine flags, TP, PP)
+    "llama": (tiny_llama, 37, ["--eod-mask-loss"], 2, 2),  # vocab larger than the tokenizer's; EOD masked out of the loss
+    # GPT-2's import (config.json's gelu_new -> --openai-gelu, Conv1D weights, the output layer tied to the embedding
+    # on the other stage) passes verify nowhere else in the default lane (the demo round trip exports; the Conv1D case
+    # of test_conversion_families must fail verify): at PP2, 2 processes; TP2 x PP2 (Llama's TP slicing) slow, CI time
+    "gpt2": (tiny_gpt2, 0, [], 1, 2),
+    "gpt2_tp2_pp2": (tiny_gpt2, 0, [], 2, 2),
 }
 
 
@@ -140,12 +145,13 @@ def gpt2_corpus(tmp_path_factory, texts, gpt2_files):
     return str(d / "small_text_document")
 
 
-# gpt2 slow (CI time): GPT-2's table and --load-hf are in the default lane's conversion tests and demo round trip
-@pytest.mark.parametrize("family", ["llama", pytest.param("gpt2", marks=pytest.mark.slow)])
-def test_load_hf_first_loss_equals_hugging_face_at_tp2_pp2(family, tmp_path, gpt2_corpus, gpt2_files):
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow if c == "gpt2_tp2_pp2" else ())
+                                  for c in LOAD_HF_CASES])
+def test_load_hf_first_loss_equals_hugging_face(case, tmp_path, gpt2_corpus, gpt2_files):
     from megatron_patch.data.tokenizers import build_tokenizer
 
-    build, extra_rows, extra_flags = LOAD_HF_CASES[family]
+    build, extra_rows, extra_flags, tp, pp = LOAD_HF_CASES[case]
+    family = case.split("_")[0]
     vocab, merges = gpt2_files
     tokenizer_vocab = build_tokenizer("GPT2BPETokenizer", vocab_file=vocab, merge_file=merges).vocab_size
     hf_dir = tmp_path / f"hf_{family}"
@@ -154,16 +160,16 @@ def test_load_hf_first_loss_equals_hugging_face_at_tp2_pp2(family, tmp_path, gpt
     flags = ["--load-hf", str(hf_dir), "--data-path", gpt2_corpus, "--tokenizer-type", "GPT2BPETokenizer",
              "--vocab-file", vocab, "--merge-file", merges, "--seq-length", str(SEQ), "--micro-batch-size", str(MBS),
              "--global-batch-size", str(GBS), "--train-iters", "1", "--hidden-dropout", "0", "--attention-dropout", "0",
-             "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2", "--log-interval", "1",
+             "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp), "--log-interval", "1",
              "--eval-iters", "0", "--lr", "1e-4", "--split", "98,2,0", "--data-cache-path", str(tmp_path / "cache"),
              *extra_flags]
-    lines, proc = run_engine(tmp_path / "run", 4, *flags, base=[])
+    lines, proc = run_engine(tmp_path / "run", tp * pp, *flags, base=[], torchrun=False)
     n_tensors = len(model.state_dict()) - (1 if family == "gpt2" else 0)  # GPT-2's lm_head is tied: not saved
     assert f"loaded {n_tensors} Hugging Face tensors from --load-hf {hf_dir}" in proc.stdout, proc.stdout[-2000:]
-    assert "TP 2 PP 2 DP 1" in proc.stdout
+    assert f"TP {tp} PP {pp} DP 1" in proc.stdout
     engine_loss = [x["loss"] for x in lines if "loss" in x][0]
 
-    cfg = engine_config(flags, world_size=4)
+    cfg = engine_config(flags, world_size=tp * pp)
     assert cfg.num_microbatches == GBS // MBS
     assert cfg.model_vocab_size == tokenizer_vocab + extra_rows
     train, _, _ = engine_datasets(cfg)

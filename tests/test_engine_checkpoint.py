@@ -104,9 +104,10 @@ def test_zero2_resume_is_exact(tmp_path):
     about 20 s of CPU (the dp2_zero2 case above adds the --exit-interval stop in the slow lane)."""
     zero2 = ["--zero-2-memory-optimization"]
     straight, _ = run_engine(tmp_path / "straight", 2, *TEN, *zero2, "--save", str(tmp_path / "s"),
-                             "--save-interval", "5")
+                             "--save-interval", "5", torchrun=False)
     ck = resume_from(tmp_path / "s", 5, tmp_path / "ck")
-    resumed, proc = run_engine(tmp_path / "resumed", 2, *TEN, *zero2, "--load", str(ck), "--save", str(ck))
+    resumed, proc = run_engine(tmp_path / "resumed", 2, *TEN, *zero2, "--load", str(ck), "--save", str(ck),
+                               torchrun=False)
     assert "loaded checkpoint" in proc.stdout and "(iteration 5)" in proc.stdout
     assert_same_continuation(straight, resumed, 5)
     assert_same_weights(tmp_path / "s" / "iter_0000010", ck / "iter_0000010")
@@ -151,7 +152,8 @@ def test_dp_size_change_keeps_model_optimizer_and_data_position(tmp_path):
     """ZeRO-1 saved at DP2, resumed at DP1 (same global batch): same continuation (dropout 0, so the
     DP size does not change which dropout masks a sample sees)."""
     ten = ["--train-iters", "10", "--eval-interval", "5", "--zero-1-memory-optimization"]
-    straight, _ = run_engine(tmp_path / "dp2", 2, *ten, "--save", str(tmp_path / "s"), "--save-interval", "5")
+    straight, _ = run_engine(tmp_path / "dp2", 2, *ten, "--save", str(tmp_path / "s"), "--save-interval", "5",
+                             torchrun=False)
     ck = resume_from(tmp_path / "s", 5, tmp_path / "ck")
     resumed, proc = run_engine(tmp_path / "dp1", 1, *ten, "--load", str(ck))
     assert "'dp': 2" in proc.stdout and "'dp': 1" in proc.stdout and "start fresh" not in proc.stdout
@@ -248,9 +250,11 @@ def test_reshard_tp2_checkpoint(tmp_path, name, nproc, layout):
     """A TP2 checkpoint loaded at another layout gives the validation loss it gives at TP2: the TP2 run's own
     evaluation at iteration 5 (after its last step, on the weights it then saves), on the same validation batches
     (the checkpoint's validation position rewound to them)."""
-    saved, _ = run_engine(tmp_path / "tp2", 2, "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "ck"))
+    saved, _ = run_engine(tmp_path / "tp2", 2, "--tensor-model-parallel-size", "2", "--save", str(tmp_path / "ck"),
+                          torchrun=False)
     rewind_validation(tmp_path / "ck" / "iter_0000005")
-    lines, proc = run_engine(tmp_path / name, nproc, *layout, "--load", str(tmp_path / "ck"), "--skip-train")
+    lines, proc = run_engine(tmp_path / name, nproc, *layout, "--load", str(tmp_path / "ck"), "--skip-train",
+                             torchrun=False)
     assert "weights resharded" in proc.stdout, proc.stdout[-2000:]
     assert valid_losses(lines)[-1] == pytest.approx(valid_losses(saved)[-1], rel=1e-5)
 

@@ -23,7 +23,7 @@ ZERO1_FP32_GRADS = [*ARGS, "--train-iters", "6", "--lr", "1e-3", "--zero-1-memor
 
 @pytest.fixture(scope="module")
 def zero1_fp32_grads(tmp_path_factory):
-    lines, _ = run_engine(tmp_path_factory.mktemp("zero1_fp32_grads"), 2, *ZERO1_FP32_GRADS)
+    lines, _ = run_engine(tmp_path_factory.mktemp("zero1_fp32_grads"), 2, *ZERO1_FP32_GRADS, torchrun=False)
     return lines
 
 
@@ -33,7 +33,7 @@ def test_optimizer_state_bytes_follow_formula(tmp_path, zero, request):
         lines = request.getfixturevalue("zero1_fp32_grads")
     else:
         extra = [f"--zero-{zero}-memory-optimization"] if zero else []
-        lines, _ = run_engine(tmp_path, 2, *ARGS, *extra)
+        lines, _ = run_engine(tmp_path, 2, *ARGS, *extra, torchrun=False)
     n = first(lines, "num_params")
     d = 2 if zero else 1
     g = 2 if zero == 2 else 1
@@ -49,7 +49,7 @@ def test_grad_reduce_in_bf16_halves_the_gradient_buffer_and_tracks_fp32(tmp_path
     """--grad-reduce-in-bf16: a bf16 gradient buffer (2 bytes per parameter instead of 4), reduced over DP in
     bf16; the losses follow the fp32-gradient run within bf16 rounding."""
     fp32 = zero1_fp32_grads
-    bf16, proc = run_engine(tmp_path / "bf16", 2, *ZERO1_FP32_GRADS, "--grad-reduce-in-bf16")
+    bf16, proc = run_engine(tmp_path / "bf16", 2, *ZERO1_FP32_GRADS, "--grad-reduce-in-bf16", torchrun=False)
     assert "bf16 (bf16 gradients)" in proc.stdout
     n = first(bf16, "num_params")
     assert first(bf16, "bytes_grads") == pytest.approx(2 * n, rel=0.01, abs=65536)

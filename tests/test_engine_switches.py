@@ -4,7 +4,8 @@ import math
 import pytest
 
 from engine_utils import (
-    full_weights, per_iteration, run_counting_forwards, run_counting_forwards_together, run_engine, train_losses,
+    full_weights, per_iteration, run_counting_forwards, run_counting_forwards_together, run_engine,
+    run_engines_in_one_process, train_losses,
 )
 
 # TINY trains 5 iterations of 4 micro batches (global batch 8, micro batch 2, one process), 4 layers.
@@ -109,7 +110,11 @@ def test_fp16_dynamic_loss_scaling(tmp_path, plain):
 
     From 2**32 the tiny model overflows for 14 steps (down to 2**19), then trains."""
     iters = 20
-    lines, _ = run_engine(tmp_path, 1, "--fp16", "--train-iters", str(iters), "--eval-interval", "100")
+    # with the run of the scale that never overflows (below), one after the other in one process (CI time)
+    runs, _ = run_engines_in_one_process(tmp_path, {
+        "overflows": ["--fp16", "--train-iters", str(iters), "--eval-interval", "100"],
+        "small": ["--mixed-precision", "--initial-loss-scale", "1024"]})
+    lines = runs["overflows"]
     skipped = [bool(s) for s in per_iteration(lines, "skipped")]
     assert skipped[0] and skipped[1] and not skipped[-1]
     assert per_iteration(lines, "loss_scale") == expected_loss_scales(skipped)
@@ -122,7 +127,7 @@ def test_fp16_dynamic_loss_scaling(tmp_path, plain):
     assert all(math.isfinite(n) != s for n, s in zip(norms, skipped))  # inf/nan grads <=> skipped
 
     # A scale that never overflows: the same 5 steps as fp32, within fp16 rounding (measured gap 2.2e-5).
-    lines, _ = run_engine(tmp_path / "small", 1, "--mixed-precision", "--initial-loss-scale", "1024")
+    lines = runs["small"]
     assert per_iteration(lines, "loss_scale") == [1024.0] * 5
     assert not any(per_iteration(lines, "skipped"))
     assert train_losses(lines) == pytest.approx(plain, rel=1e-4)

@@ -14,7 +14,7 @@ import os
 import pytest
 import torch
 
-from engine_utils import assert_trains_like, full_weights, run_engine
+from engine_utils import assert_trains_like, full_weights, run_engine, run_engines_in_one_process
 
 QWEN3 = ["--model-family", "qwen3", "--num-query-groups", "2", "--kv-channels", "24", "--clip-grad", "0",
          "--adam-eps", "1", "--lr", "0.1"]
@@ -53,14 +53,25 @@ def _model_weights(checkpoint: str) -> dict:
 
 def _run(tmp_path, name: str, nproc: int, *args: str):
     ck = str(tmp_path / name / "ckpt")
-    lines, _ = run_engine(tmp_path / name, nproc, *args, "--save", ck)
+    lines, _ = run_engine(tmp_path / name, nproc, *args, "--save", ck, torchrun=False)
     return lines, ck
 
 
-def test_qwen3_at_tp2_with_sequence_parallelism_trains_like_one_process(tmp_path):
-    reference = _run(tmp_path, "tp1", 1, *QWEN3)
+# the single-process references of the default lane's tests, one after another in one process (CI time: one start-up)
+REFERENCES = {"qwen3": QWEN3, "mla_dense": MLA_DENSE, "deepseek_v2": DEEPSEEK}
+
+
+@pytest.fixture(scope="module")
+def references(tmp_path_factory):
+    """name -> (metrics lines, --save root) of REFERENCES[name] on one process."""
+    d = tmp_path_factory.mktemp("references")
+    lines, _ = run_engines_in_one_process(d, {n: [*a, "--save", str(d / n / "ckpt")] for n, a in REFERENCES.items()})
+    return {n: (lines[n], str(d / n / "ckpt")) for n in REFERENCES}
+
+
+def test_qwen3_at_tp2_with_sequence_parallelism_trains_like_one_process(references, tmp_path):
     run = _run(tmp_path, "tp2_sp", 2, *QWEN3, "--tensor-model-parallel-size", "2", "--sequence-parallel")
-    _trains_like(reference, run, "qwen3 TP2 SP")
+    _trains_like(references["qwen3"], run, "qwen3 TP2 SP")
 
 
 @pytest.mark.slow
@@ -81,12 +92,12 @@ def test_moe_families_at_ep2_train_like_ep1(family, tmp_path):
 
 
 @pytest.mark.parametrize("model,layout", [
-    (MLA_DENSE, ["--tensor-model-parallel-size", "2"]),
-    (DEEPSEEK, ["--tensor-model-parallel-size", "2", "--sequence-parallel"])], ids=["mla_dense_tp2", "deepseek_v2_tp2_sp"])
-def test_multi_latent_attention_at_tp2_trains_like_one_process(model, layout, tmp_path):
+    ("mla_dense", ["--tensor-model-parallel-size", "2"]),
+    ("deepseek_v2", ["--tensor-model-parallel-size", "2", "--sequence-parallel"])],
+    ids=["mla_dense_tp2", "deepseek_v2_tp2_sp"])
+def test_multi_latent_attention_at_tp2_trains_like_one_process(model, layout, references, tmp_path):
     """Multi-latent attention's latent norms: each TP rank holds the whole latent (their gradients equal on every rank,
     not to be summed) or, with sequence parallelism, a slice of the sequence (to be summed). MoE needs sequence
     parallelism at TP > 1, so the first case is a dense model with DeepSeek's attention."""
-    reference = _run(tmp_path, "tp1", 1, *model)
-    run = _run(tmp_path, "tp2", 2, *model, *layout)
-    _trains_like(reference, run, "deepseek " + " ".join(layout))
+    run = _run(tmp_path, "tp2", 2, *REFERENCES[model], *layout)
+    _trains_like(references[model], run, "deepseek " + " ".join(layout))

@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from engine_utils import per_iteration, run_engine
+from engine_utils import per_iteration, run_engine, run_engines_in_one_process
 from megatron_patch.config import ConfigError, parse_args
 from megatron_patch.training.fused_adam import BLOCK, bias_corrections, step_adam
 
@@ -109,9 +109,9 @@ def test_bias_corrections_in_float64():
                          ids=["bf16-grads", "fp32-grads"])
 def test_engine_with_fusion_trains_like_the_unfused_engine(tmp_path, extra):
     args = ["--train-iters", "5", "--eval-iters", "0", *BF16, *extra]
-    plain, _ = run_engine(tmp_path / "plain", 1, *args)
-    fused, proc = run_engine(tmp_path / "fused", 1, *args, "--optimizer-step-fusion")
-    assert "optimizer step fusion: Adam in one Triton kernel launch per param group" in proc.stdout
+    runs, proc = run_engines_in_one_process(tmp_path, {"plain": args, "fused": [*args, "--optimizer-step-fusion"]})
+    plain, fused = runs["plain"], runs["fused"]
+    assert proc.stdout.count("optimizer step fusion: Adam in one Triton kernel launch per param group") == 1
     assert per_iteration(fused, "loss") == pytest.approx(per_iteration(plain, "loss"), rel=LOSS_REL)
     assert per_iteration(fused, "grad_norm") == pytest.approx(per_iteration(plain, "grad_norm"), rel=1e-3)
 

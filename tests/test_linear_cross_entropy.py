@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loss_fusion_utils import TP2_BASE, engine_pair, model_check, rel, tp2_results  # noqa: E402
+from loss_fusion_utils import TP2_BASE, engine_pair, model_check, rel, tp2_results_of  # noqa: E402
 
 from megatron_patch.config import ConfigError, parse_args  # noqa: E402
 from megatron_patch.models.linear_cross_entropy import chunk_tokens, linear_cross_entropy  # noqa: E402
@@ -135,8 +135,8 @@ def _tp_body(rank: int, group) -> dict:
     return results
 
 
-def test_tensor_parallel_equals_one_rank(tmp_path):
-    res = tp2_results(tmp_path, _tp_body, FUSED)
+def test_tensor_parallel_equals_one_rank(tmp_path_factory):
+    res = tp2_results_of("linear", tmp_path_factory)  # (the spawn runs test_triton_cross_entropy's TP2 body too)
     for case, r in res["function"].items():
         assert r["loss"] < 1e-6 and r["loss_plain"] < 1e-6, (case, r)
         assert r["hidden"] < 1e-6 and r["weight"] < 1e-6, (case, r)

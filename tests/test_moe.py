@@ -50,17 +50,21 @@ def reference(tmp_path_factory):
     return lines, _model(full_weights(str(d / "ckpt" / "iter_0000005"))), d / "ckpt"
 
 
-# The rest run in `make test-all` (CI time). ep2_grouped is the one guard of the grouped path's local expert
-# order on an EP rank other than 0 (about 8 s of CPU, mostly start-up); EP1 grouped numerics stay guarded by
-# grouped_wgrad_fusion and test_resume_is_exact[grouped] (a grouped continuation of a sequential run).
-FAST = ("ep2", "ep2_grouped", "grouped_wgrad_fusion")
+# The rest run in `make test-all` (CI time). ep2_grouped is the default lane's EP2 layout: the alltoall dispatch, the
+# expert-DP gradients and the experts' global names on EP rank 1 (layout-invariant init, the checkpoint) are ep2's (the
+# grouped experts keep SequentialMLP's parameters; plant guards/ep-rank-experts-numbered-locally), and it is the one
+# guard of the grouped path's local expert order on an EP rank other than 0 (about 8 s of CPU, mostly start-up). ep2
+# adds megatron-core's own SequentialMLP at EP2, whose forward at EP2 test_checkpoint_reshards_experts and
+# test_conversion_today's DeepSeek-V2 at EP2 run. EP1 grouped numerics stay guarded by grouped_wgrad_fusion and
+# test_resume_is_exact[grouped] (a grouped continuation of a sequential run).
+FAST = ("ep2_grouped", "grouped_wgrad_fusion")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in FAST else pytest.mark.slow) for n in LAYOUTS])
 def test_layout_matches_single_process(name, reference, tmp_path):
     nproc, args = LAYOUTS[name]
     ref_lines, ref_weights, _ = reference
-    lines, proc = run_engine(tmp_path, nproc, *MOE, *args, "--save", str(tmp_path / "ckpt"))
+    lines, proc = run_engine(tmp_path, nproc, *MOE, *args, "--save", str(tmp_path / "ckpt"), torchrun=False)
     if "--moe-grouped-gemm" in args:
         assert "MoE grouped GEMM: the experts of 2 MoE layers run as two torch._grouped_mm calls per layer" \
             in proc.stdout
@@ -105,7 +109,10 @@ def _assert_same_continuation(straight, resumed, start, rel=1e-6):
     assert _after(resumed, start, "moe_tokens_per_expert") == _after(straight, start, "moe_tokens_per_expert")
 
 
-@pytest.mark.parametrize("extra", [[], ["--moe-grouped-gemm"]], ids=["sequential", "grouped"])
+# sequential: slow (CI time); the grouped continuation loads the same checkpoint (the experts' parameters are
+# SequentialMLP's) and must continue the sequential run as exactly, so it guards the MoE resume in the default lane
+@pytest.mark.parametrize("extra", [pytest.param([], marks=pytest.mark.slow), ["--moe-grouped-gemm"]],
+                         ids=["sequential", "grouped"])
 def test_resume_is_exact(reference, tmp_path, extra):
     """EP1, stopped after iteration 2: the last 3 iterations (losses, aux losses, loads) as if never stopped;
     also when the resumed run computes the experts with grouped GEMMs (same parameters, same checkpoint)."""
@@ -123,7 +130,7 @@ def test_checkpoint_reshards_experts(reference, tmp_path):
     ck = _resume(ckpt, 5, tmp_path / "ck")
     rewind_validation(ck / "iter_0000005")
     ep2, proc = run_engine(tmp_path / "ep2", 2, *MOE, "--expert-model-parallel-size", "2", "--load", str(ck),
-                           "--skip-train")
+                           "--skip-train", torchrun=False)
     assert "weights resharded" in proc.stdout
     saved = [x["valid_loss"] for x in lines if x.get("iteration") == 5 and "valid_loss" in x]
     assert len(saved) == 1 and ep2[-1]["valid_loss"] == pytest.approx(saved[0], rel=1e-6)

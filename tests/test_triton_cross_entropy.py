@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from engine_utils import free_port  # noqa: E402
-from loss_fusion_utils import TP2_BASE, engine_pair, model_check, rel, tp2_results  # noqa: E402
+from loss_fusion_utils import TP2_BASE, engine_pair, model_check, rel, tp2_results_of  # noqa: E402
 
 from megatron_patch.config import ConfigError, parse_args  # noqa: E402
 from megatron_patch.models.triton_cross_entropy import _launch_config, triton_vocab_parallel_cross_entropy  # noqa: E402
@@ -196,8 +196,8 @@ def _tp_body(rank: int, group) -> dict:
     return results
 
 
-def test_tensor_parallel_equals_one_rank(tmp_path):
-    res = tp2_results(tmp_path, _tp_body, TRITON, TRITON_INTERPRET="1")
+def test_tensor_parallel_equals_one_rank(tmp_path_factory):
+    res = tp2_results_of("triton", tmp_path_factory)  # (the spawn runs test_linear_cross_entropy's TP2 body too)
     for case, r in res["function"].items():
         tol = 1e-6 if case.endswith("float32") else 2**-8  # bf16: the gradient may round to a neighbouring step
         assert r["loss_tp1"] < 1e-6 and r["loss_megatron"] < 1e-6, (case, r)

@@ -32,12 +32,13 @@ PLANTS = [
          replacement='    Rule(L + "self_attention.q_layernorm.weight", (H + "self_attn.k_norm.weight",), when=QK_NORM),\n'
                      '    Rule(L + "self_attention.k_layernorm.weight", (H + "self_attn.q_norm.weight",), when=QK_NORM),',
          property="Qwen3's query norm converts to the query norm and its key norm to the key norm",
-         tests=[f"{CLI}[qwen3_moe]"]),
+         tests=[f"{CLI}[qwen3_moe]"]),  # (qwen3's own conversion, the same q/k norm rules, is slow)
     dict(name="qk-norm-off", file="megatron_patch/models/gpt.py",
          original="        qk_layernorm=cfg.qk_layernorm,\n",
          replacement="        qk_layernorm=False,\n",
          property="the engine builds Qwen3's per-head query/key norms (--qk-layernorm)",
-         tests=[f"{CLI}[qwen3_moe]"]),
+         tests=[f"{CLI}[qwen3_moe]",
+                "tests/test_families_engine.py::test_qwen3_at_tp2_with_sequence_parallelism_trains_like_one_process"]),
     dict(name="qwen3-moe-norm-topk-ignored", file="megatron_patch/conversion/tables/qwen2_moe.py",
          original='                moe_router_pre_softmax=not c.get("norm_topk_prob", False),',
          replacement='                moe_router_pre_softmax=True,',
