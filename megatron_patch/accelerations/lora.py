@@ -15,7 +15,7 @@ from typing import List, Union
 
 import torch
 
-from megatron_patch.config.lora_targets import HF_TARGETS, MEGATRON_TARGETS
+from megatron_patch.config.lora_targets import MEGATRON_TARGETS
 
 # The model class's suffix -> peft's task type (its PeftModel keeps the task's head trainable)
 TASK_TYPES = (("ForSequenceClassification", "SEQ_CLS"), ("ForTokenClassification", "TOKEN_CLS"),
@@ -32,8 +32,7 @@ def _targets(model: torch.nn.Module, names: List[str]) -> Union[str, List[str]]:
     if list(names) == list(MEGATRON_TARGETS):
         return "all-linear"
     out = []
-    present = {n for n, m in model.named_modules() if isinstance(m, (torch.nn.Linear,))} | \
-        {n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"}
+    present = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D"}
     for name in names:
         if name in MEGATRON_TARGETS:
             out += [r for r in ROLES[name] if any(p == r or p.endswith("." + r) for p in present)]
@@ -70,5 +69,3 @@ def apply_lora(model: torch.nn.Module, args) -> "tuple[torch.nn.Module, str]":
                         f"{', task head trained' if task in ('SEQ_CLS', 'TOKEN_CLS', 'QUESTION_ANS') else ''}: "
                         f"{trainable / 1e6:.3f}M of {total / 1e6:.1f}M parameters trained")
 
-
-__all__ = ["apply_lora", "HF_TARGETS"]

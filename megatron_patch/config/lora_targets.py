@@ -4,6 +4,14 @@ from __future__ import annotations
 
 from typing import List, Sequence
 
+ADAPTER_KEYS = (".lora_A", ".lora_B")  # an adapted layer's tensors in the state dict and the checkpoint
+
+
+def is_adapter(name: str) -> bool:
+    """Whether state-dict / checkpoint name `name` is a LoRA adapter tensor."""
+    return name.endswith(ADAPTER_KEYS)
+
+
 MEGATRON_TARGETS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
 # Hugging Face module names -> the fused megatron-core layer they are part of
 HF_TARGETS = {"q_proj": "linear_qkv", "k_proj": "linear_qkv", "v_proj": "linear_qkv", "o_proj": "linear_proj",

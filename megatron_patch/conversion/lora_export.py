@@ -19,13 +19,9 @@ from typing import Dict, List, Sequence
 
 import torch
 
+from megatron_patch.config.lora_targets import is_adapter
+
 from .mapping import ConversionError, Rule, TensorIndex, dims, to_hf
-
-ADAPTER_KEYS = (".lora_A", ".lora_B")
-
-
-def is_adapter(name: str) -> bool:
-    return name.endswith(ADAPTER_KEYS)
 
 
 class MergedLoRAReader(TensorIndex):

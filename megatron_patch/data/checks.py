@@ -165,7 +165,7 @@ def check_token_ids(prefixes: Sequence[str], vocab_size: int, cache_dir: Optiona
     return largest
 
 
-def _split_bounds(split: str) -> List[Tuple[float, float]]:
+def split_bounds(split: str) -> List[Tuple[float, float]]:
     """megatron-core's split arithmetic: '969,30,1' -> normalized cumulative (begin, end) per split."""
     weights = [float(x) for x in split.replace("/", ",").split(",")]
     weights = (weights + [0.0] * 3)[:3]
@@ -184,7 +184,7 @@ def check_split_sizes(prefixes: Sequence[str], split: str) -> None:
     for p in prefixes:
         ds = IndexedDataset(p)
         lengths = ds.sequence_lengths
-        for name, (lo, hi) in zip(names, _split_bounds(split)):
+        for name, (lo, hi) in zip(names, split_bounds(split)):
             if hi <= lo:
                 continue  # weight 0: megatron-core builds no such split
             beg, end = int(round(lo * len(lengths))), int(round(hi * len(lengths)))
@@ -209,7 +209,7 @@ def check_bert_documents(prefixes: Sequence[str], split: str, binary_head: bool 
                 f"{idx_path(p)}: every document is a single sequence, so next-sentence prediction has no sentence "
                 f"pairs; preprocess with tools/preprocess_data.py --split-sentences (its output is "
                 f"PREFIX_text_sentence), or pass --bert-no-binary-head")
-        for name, (lo, hi) in zip(names, _split_bounds(split)):
+        for name, (lo, hi) in zip(names, split_bounds(split)):
             if hi <= lo:
                 continue
             beg, end = int(round(lo * len(sentences))), int(round(hi * len(sentences)))

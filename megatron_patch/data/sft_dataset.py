@@ -16,26 +16,18 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from .checks import DataError
+from .checks import DataError, split_bounds
 from .indexed_dataset import IndexedDataset
 from .packing import bins_to_groups, pack_documents
 from .sft_preprocess import mask_prefix
 
 
 def split_ranges(count: int, split: str) -> List[Tuple[int, int]]:
-    """[start, end) of the train/valid/test conversations under `--split` weights (contiguous, Megatron's rounding)."""
-    weights = [float(x) for x in split.replace("/", ",").split(",")]
-    weights = (weights + [0.0] * 3)[:3]
-    total = sum(weights)
-    if total <= 0:
+    """[start, end) of the train/valid/test conversations under `--split` weights: contiguous, with megatron-core's
+    arithmetic (data/checks.py's split_bounds, as check_split_sizes cuts a corpus)."""
+    if sum(float(x) for x in split.replace("/", ",").split(",")) <= 0:
         raise DataError(f"--split {split}: the weights must not all be 0")
-    bounds = [0]
-    for w in weights:
-        bounds.append(bounds[-1] + int(round(w / total * count)))
-    diff = bounds[-1] - count
-    bounds = [b - diff if i else b for i, b in enumerate(bounds)] if diff else bounds
-    bounds[1:] = [min(max(b, 0), count) for b in bounds[1:]]
-    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+    return [(int(round(lo * count)), int(round(hi * count))) for lo, hi in split_bounds(split)]
 
 
 class SFTDataset:

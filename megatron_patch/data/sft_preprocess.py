@@ -25,7 +25,7 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -173,7 +173,7 @@ class SFTTotals:
     truncated: int = 0
     dropped: int = 0
     first_dropped: Optional[str] = None
-    lengths: List[int] = field(default_factory=list)
+    longest: int = 0
 
 
 def write_sft(args: argparse.Namespace, files: Sequence[str], tok) -> SFTTotals:
@@ -211,7 +211,7 @@ def write_sft(args: argparse.Namespace, files: Sequence[str], tok) -> SFTTotals:
                     totals.conversations += 1
                     totals.tokens += len(ids)
                     totals.assistant_tokens += int(mask.sum())
-                    totals.lengths.append(len(ids))
+                    totals.longest = max(totals.longest, len(ids))
                     if args.log_interval and totals.conversations % args.log_interval == 0:
                         print(f"processed {totals.conversations} conversations ({totals.conversations / max(time.time() - t0, 1e-9):.0f}/s)",
                               file=sys.stderr, flush=True)
@@ -231,7 +231,7 @@ def preprocess_sft(args: argparse.Namespace) -> SFTTotals:
     totals = write_sft(args, files, tok)
     share = totals.assistant_tokens / max(totals.tokens, 1)
     print(f"done: {totals.conversations} conversations, {totals.tokens} tokens ({totals.assistant_tokens} assistant "
-          f"tokens in the loss, {share:.0%}), longest {max(totals.lengths)}; {totals.truncated} truncated and "
+          f"tokens in the loss, {share:.0%}), longest {totals.longest}; {totals.truncated} truncated and "
           f"{totals.dropped} dropped at --seq-length {args.seq_length} (--overflow {args.overflow})"
           f"{'; first dropped: ' + totals.first_dropped if totals.first_dropped else ''}; {time.time() - t0:.1f} s",
           file=sys.stderr)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import torch
 import torch.nn.functional as F
@@ -48,11 +48,12 @@ class _LoRA:
     lora_scale: float
     lora_dropout: float
 
-    def _lora_params(self, rank: int, in_full: int, a_shape: Tuple[int, int], b_shape: Tuple[int, int]) -> None:
+    def _lora_params(self, rank: int) -> None:
+        """A [rank, in] and B [out, rank] of this rank's weight slice [out, in], zero (apply_lora initialises A)."""
+        out, inp = self.weight.shape
         dev, dtype = self.weight.device, self.weight.dtype
-        self.lora_A = torch.nn.Parameter(torch.zeros(a_shape, device=dev, dtype=dtype))
-        self.lora_B = torch.nn.Parameter(torch.zeros(b_shape, device=dev, dtype=dtype))
-        self.lora_in_features = in_full
+        self.lora_A = torch.nn.Parameter(torch.zeros(rank, inp, device=dev, dtype=dtype))
+        self.lora_B = torch.nn.Parameter(torch.zeros(out, rank, device=dev, dtype=dtype))
 
     def _lora_dropout(self, x: torch.Tensor) -> torch.Tensor:
         return F.dropout(x, self.lora_dropout, self.training) if self.lora_dropout > 0 else x
@@ -109,15 +110,14 @@ class LoRARowParallelLinear(_LoRA, RowParallelLinear):
 def _adapt(module, name: str, chunk, rank: int, alpha: float, dropout: float, seed: int, gated: bool) -> None:
     column = isinstance(module, ColumnParallelLinear)
     tp = module.tp_group.size()
-    out_local, in_local = module.weight.shape
+    in_local = module.weight.shape[1]
     in_full = in_local if column else in_local * tp
     module.__class__ = LoRAColumnParallelLinear if column else LoRARowParallelLinear
     module.lora_scale, module.lora_dropout = alpha / rank, dropout
+    module._lora_params(rank)
     if column:
-        module._lora_params(rank, in_full, (rank, in_local), (out_local, rank))
         module.lora_B.tensor_model_parallel, module.lora_B.partition_dim, module.lora_B.partition_stride = True, 0, 1
     else:
-        module._lora_params(rank, in_full, (rank, in_local), (out_local, rank))
         module.lora_A.tensor_model_parallel, module.lora_A.partition_dim, module.lora_A.partition_stride = True, 1, 1
         if module.sequence_parallel:  # each rank's B gradient covers its part of the sequence: summed over TP
             module.lora_B.sequence_parallel = True

@@ -16,6 +16,7 @@ from megatron.core.dist_checkpointing.mapping import apply_factories
 
 from megatron_patch.compat.adam_state import fill_empty_adam_state, restore_adam_step
 from megatron_patch.compat.checkpoint_writer import write_results_in_process
+from megatron_patch.config.lora_targets import is_adapter
 
 from . import rng
 
@@ -72,16 +73,12 @@ def save(path: str, model: List, optimizer, consume_model: bool = False) -> None
     dist_checkpointing.save(state, path)
 
 
-def _is_adapter(key: str) -> bool:
-    return key.endswith((".lora_A", ".lora_B"))
-
-
 def load(path: str, model: List, optimizer, load_optimizer: bool, load_rng: bool, without_adapters: bool = False) -> None:
     """Read weights (resharded to this layout), optionally the optimizer state and the RNG streams.
     `without_adapters`: the checkpoint has no LoRA adapters (a base model for a LoRA run): they keep their init."""
     state = _model_state(model)
     if without_adapters:
-        state = {k: {n: t for n, t in v.items() if not _is_adapter(n)} for k, v in state.items()}
+        state = {k: {n: t for n, t in v.items() if not is_adapter(n)} for k, v in state.items()}
     if load_optimizer:
         fill_empty_adam_state(optimizer)  # megatron-core builds the dict it loads into from this state
         state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=OPT_METADATA)
@@ -91,9 +88,9 @@ def load(path: str, model: List, optimizer, load_optimizer: bool, load_rng: bool
     for i, m in enumerate(model):
         missing, unexpected = unwrap(m).load_state_dict(loaded["model" if len(model) == 1 else f"model{i}"],
                                                         strict=not without_adapters)
-        if [k for k in missing if not _is_adapter(k)] or unexpected:
+        if [k for k in missing if not is_adapter(k)] or unexpected:
             raise RuntimeError(f"{path}: the model lacks {unexpected[:3]} / the checkpoint lacks "
-                               f"{[k for k in missing if not _is_adapter(k)][:3]}")
+                               f"{[k for k in missing if not is_adapter(k)][:3]}")
     if load_optimizer:
         with torch.no_grad():
             optimizer.load_state_dict(loaded["optimizer"])
