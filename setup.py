@@ -53,6 +53,7 @@ setup(
         "tensorboard",
         "datasets",  # fine-tuning data (local files, save_to_disk directories)
         "scikit-learn",  # classification metrics
+        "matplotlib",  # tools/plot_metrics.py: loss curves of --metrics-file runs (Agg, headless)
         "peft==0.21.2",  # LoRA: rapidformer's adapters on Hugging Face models, and the PEFT format the engine exports
     ],
     extras_require={
