@@ -54,6 +54,7 @@ setup(
         "datasets",  # fine-tuning data (local files, save_to_disk directories)
         "scikit-learn",  # classification metrics
         "matplotlib",  # tools/plot_metrics.py: loss curves of --metrics-file runs (Agg, headless)
+        "torchao==0.18.0",  # FP8 GEMMs without Transformer Engine (its private float8 functions: compat/float8.py)
         "peft==0.21.2",  # LoRA: rapidformer's adapters on Hugging Face models, and the PEFT format the engine exports
     ],
     extras_require={

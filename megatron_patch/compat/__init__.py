@@ -73,7 +73,9 @@ apply_onnx_runtime_fixes() (onnx_runtime.py), order `ONNX_RUNTIME`:
 
 Called at their call sites (not applied globally):
   dynamo.py        tp_group_default_without_warning (--compile: models/compile.py, before compiling)
-  linear.py        route_linears_through (--gradient-accumulation-fusion: models/wgrad_fusion.py, built chunks)
+  linear.py        route_linears_through (--gradient-accumulation-fusion: models/wgrad_fusion.py, and --fp8-format:
+                   models/float8.py, built chunks)
+  float8.py        torchao_float8 (torchao's private float8 matmul and casts, pinned: models/float8.py)
                    count_linears_without_collective (its log: which linears the fused path takes)
   moe.py           route_experts_through (--moe-grouped-gemm: models/grouped_experts.py, built chunks)
                    one_rank_reductions_are_identity, expert_biases_not_sequence_parallel (experts with linear
@@ -119,7 +121,7 @@ import os
 
 import torch
 
-from . import (adam_state, checkpoint_writer, cpu_backend, dynamo, linear, megatron_fsdp, moe,  # noqa: F401  (registers patches)
+from . import (adam_state, checkpoint_writer, cpu_backend, dynamo, float8, linear, megatron_fsdp, moe,  # noqa: F401  (registers patches)
                mla, multi_tensor, onnx_runtime, optimizer, post_layernorm, rope, safe_loading)
 from .quiet import quiet_known_noise
 from .registry import PATCHES, Patch

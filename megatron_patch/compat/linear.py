@@ -18,21 +18,23 @@ from .registry import register
                 "needs apex and sets weight attributes in backward that dynamo cannot trace: each linear's "
                 "`_forward_impl` becomes make_impl(upstream's), which must take the same keyword arguments",
           fingerprint="4314e71c579c38b4")
-def route_linears_through(chunks: Iterable[torch.nn.Module], make_impl: Callable[[Callable], Callable]) -> int:
-    """Give every ColumnParallelLinear / RowParallelLinear in `chunks` the forward function
+def route_linears_through(chunks: Iterable[torch.nn.Module], make_impl: Callable[[Callable], Callable],
+                          skip: Callable[[torch.nn.Module], bool] = lambda m: False) -> int:
+    """Give every ColumnParallelLinear / RowParallelLinear in `chunks` (but those `skip` names) the forward function
     `make_impl(its current one)`; returns how many."""
     from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     count = 0
     for chunk in chunks:
         for module in chunk.modules():
-            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not skip(module):
                 module._forward_impl = make_impl(module._forward_impl)
                 count += 1
     return count
 
 
-def count_linears_without_collective(chunks: Iterable[torch.nn.Module]) -> int:
+def count_linears_without_collective(chunks: Iterable[torch.nn.Module],
+                                     skip: Callable[[torch.nn.Module], bool] = lambda m: False) -> int:
     """How many ColumnParallelLinear / RowParallelLinear in `chunks` megatron-core calls with no tensor-parallel
     collective inside the linear function (allreduce_dgrad and sequence_parallel both False), as the two forwards
     fingerprinted above pass them: ColumnParallelLinear.forward from its attributes (both False for experts with
@@ -42,6 +44,8 @@ def count_linears_without_collective(chunks: Iterable[torch.nn.Module]) -> int:
     count = 0
     for chunk in chunks:
         for m in chunk.modules():
+            if skip(m):
+                continue
             if isinstance(m, RowParallelLinear):
                 count += 1
             elif isinstance(m, ColumnParallelLinear):

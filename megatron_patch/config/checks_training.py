@@ -62,6 +62,34 @@ def grad_reduce_in_bf16(c: Config) -> Optional[str]:
                 "(Megatron-FSDP) keeps its sharded gradients in fp32: drop one of the two")
 
 
+@rule("precision")
+def fp8(c: Config) -> Optional[str]:
+    if c.fp8_format is None:
+        if c.fp8_recipe != "tensorwise" or c.fp8_layers != "auto":
+            return "--fp8-recipe and --fp8-layers choose how FP8 runs: add --fp8-format (hybrid or e4m3) to turn it on"
+        return None
+    if c.fp16:
+        return "--fp8-format runs its GEMMs from bf16 (or fp32) tensors, not fp16 ones: use --bf16"
+    te = probes.transformer_engine_available() and c.attention_backend in ("auto", "te")
+    if c.fp8_recipe in ("delayed", "mxfp8", "blockwise") and not te:
+        return (f"--fp8-recipe {c.fp8_recipe} needs Transformer Engine, which is not installed; without it FP8 runs "
+                f"through torchao: --fp8-recipe tensorwise (--fp8-format hybrid) or rowwise (--fp8-format e4m3)")
+    if te:
+        return None
+    want = {"tensorwise": "hybrid", "rowwise": "e4m3"}[c.fp8_recipe]
+    if c.fp8_format != want:
+        other = "rowwise" if c.fp8_recipe == "tensorwise" else "tensorwise"
+        return (f"torchao's {c.fp8_recipe} recipe is --fp8-format {want} (tensorwise: e4m3 forward, e5m2 gradients; "
+                f"rowwise: e4m3 throughout): pass --fp8-format {want}, or --fp8-recipe {other} for "
+                f"--fp8-format {c.fp8_format}")
+    if c.lora_rank:
+        return "--fp8-format with --lora-rank is not supported (LoRA's layers have their own linear function): drop one"
+    if c.zero_2_memory_optimization:
+        return ("--fp8-format's linears are not supported with --zero-2-memory-optimization (Megatron-FSDP); use "
+                "--zero-1-memory-optimization")
+    return None
+
+
 @rule("fusion")
 def gradient_accumulation_fusion(c: Config) -> Optional[str]:
     if c.gradient_accumulation_fusion and c.zero_2_memory_optimization:

@@ -136,6 +136,10 @@ class NumericsConfig:
     """Precision (an enum) and fp16 loss scaling."""
     precision: Precision = Precision.FP32
     grad_reduce_in_bf16: bool = False  # bf16 gradient buffer (accumulation and DP reduction) instead of fp32
+    # FP8 GEMMs (Megatron-LM's flags): Transformer Engine's when installed, torchao's otherwise (models/float8.py)
+    fp8_format: Optional[str] = None  # None: off; hybrid (e4m3 forward, e5m2 gradients) | e4m3
+    fp8_recipe: str = "tensorwise"  # tensorwise | rowwise (torchao); delayed | mxfp8 | blockwise (Transformer Engine)
+    fp8_layers: str = "auto"  # auto: torchao's size rule; all: every linear of the layers with dims multiple of 16
     loss_scale: Optional[float] = None
     initial_loss_scale: float = 2.0**32
     min_loss_scale: float = 1.0

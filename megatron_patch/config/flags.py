@@ -467,6 +467,16 @@ FLAGS: Tuple[Flag, ...] = (
         _f("--grad-reduce-in-bf16", STORE_TRUE, ENGINE, "with --bf16: accumulate and reduce gradients in bf16 "
            "instead of fp32 (Megatron-LM's flag): half the gradient buffer and its traffic, coarser accumulation over "
            "micro batches"),
+        _f("--fp8-format", str, ENGINE, "FP8 GEMMs in the transformer layers' linears (Megatron-LM's flag): hybrid "
+           "(e4m3 forward, e5m2 gradients) or e4m3; Transformer Engine's when installed, torchao's otherwise (with "
+           "--fp8-recipe tensorwise: hybrid, rowwise: e4m3); weights and checkpoints keep their precision",
+           choices=("hybrid", "e4m3")),
+        _f("--fp8-recipe", str, ENGINE, "with --fp8-format: scaling recipe; torchao: tensorwise (one scale per tensor, "
+           "amax reduced over tensor parallelism) or rowwise (per-row power-of-two scales); Transformer Engine also "
+           "delayed, mxfp8, blockwise", choices=("tensorwise", "rowwise", "delayed", "mxfp8", "blockwise")),
+        _f("--fp8-layers", str, ENGINE, "with torchao's FP8: which linears; auto keeps those torchao measured as "
+           "slower in FP8 (small GEMMs) in high precision, all converts every linear whose dimensions are multiples "
+           "of 16", choices=("auto", "all")),
         _f("--loss-scale", float, ENGINE, "static loss scale for fp16 (default: dynamic)"),
         _f("--initial-loss-scale", float, ENGINE, "the dynamic loss scale's first value"),
         _f("--min-loss-scale", float, ENGINE, "dynamic scaling never goes below this"),

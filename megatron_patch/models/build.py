@@ -18,7 +18,7 @@ from megatron_patch.parallel import current_device, print_rank_0
 
 from .bert import build_bert_model
 from .compile import apply_compile
-from .gpt import build_gpt_model, padded_vocab_size
+from .gpt import build_gpt_model, padded_vocab_size, resolve_attention_backend
 from .grouped_experts import apply_grouped_experts
 from .init import layout_invariant_init
 from .wgrad_fusion import apply_gradient_accumulation_fusion
@@ -89,6 +89,10 @@ def build_model_chunks(cfg: Config, vocab_size: int,
         print_rank_0(apply_lora(chunks, cfg))
     if cfg.moe_grouped_gemm:
         print_rank_0(apply_grouped_experts(chunks))
+    if cfg.fp8_format and resolve_attention_backend(cfg) != "te":  # with Transformer Engine, its layers do FP8
+        from .float8 import apply_float8
+
+        print_rank_0(apply_float8(chunks, cfg.fp8_recipe, cfg.fp8_layers, cfg.gradient_accumulation_fusion))
     if cfg.gradient_accumulation_fusion:
         print_rank_0(apply_gradient_accumulation_fusion(chunks))
     if cfg.compile:

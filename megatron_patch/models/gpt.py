@@ -114,6 +114,9 @@ def build_transformer_config(cfg: Config) -> TransformerConfig:
         perform_initialization=not cfg.load_hf,
         **moe_config(cfg),
         **mla_config(cfg),
+        # Transformer Engine's layers run FP8 themselves; without it models/float8.py routes the linears (build.py)
+        **(dict(fp8=cfg.fp8_format, fp8_recipe=cfg.fp8_recipe)
+           if cfg.fp8_format and resolve_attention_backend(cfg) == "te" else {}),
     )
 
 

@@ -83,17 +83,24 @@ def _make_forward_impl(upstream):
     return forward_impl
 
 
+def _is_fp8(module: torch.nn.Module) -> bool:
+    return hasattr(module, "fp8_linear")  # models/float8.py's linears do their own accumulation
+
+
 def apply_gradient_accumulation_fusion(chunks: Iterable[torch.nn.Module]) -> str:
     """Route the column- and row-parallel linears of `chunks` through the fused weight-gradient function (where
     the call is eligible, decided per call: see `_eligible`). Returns the log line."""
     chunks = list(chunks)
-    routed = route_linears_through(chunks, _make_forward_impl)
-    fused = count_linears_without_collective(chunks)
+    fp8 = [m for chunk in chunks for m in chunk.modules() if hasattr(m, "fp8_linear")]
+    routed = route_linears_through(chunks, _make_forward_impl, skip=_is_fp8)
+    fused = count_linears_without_collective(chunks, skip=_is_fp8)
     # Experts routed through --moe-grouped-gemm never call their linears' forward: not fused, so not counted.
     grouped = [m for chunk in chunks for m in chunk.modules() if getattr(m, "grouped_gemm", False)]
     bypassed = count_linears_without_collective(grouped)
     notes = ([f"{routed - fused} with a tensor-parallel collective inside keep megatron-core's path"]
              if routed > fused else [])
+    if fp8:
+        notes.append(f"{len(fp8)} FP8 linears accumulate their float8 GEMM's weight gradient into the buffer")
     if bypassed:
         notes.append(f"{bypassed} expert linears run as grouped GEMMs instead, their gradients by the usual hooks")
     return (f"gradient accumulation fusion: {fused - bypassed} linear layers accumulate weight gradients straight "

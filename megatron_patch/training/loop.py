@@ -200,7 +200,8 @@ class Trainer:
                 f"hidden {cfg.hidden_size}, heads {cfg.num_attention_heads}, seq {cfg.seq_length} | "
                 f"TP {cfg.tensor_model_parallel_size} PP {cfg.pipeline_model_parallel_size} DP {cfg.data_parallel_size}"
                 f"{' VPP ' + str(vpp) if vpp else ''}{self._describe_moe()} | {cfg.params_dtype_name}"
-                f"{' (bf16 gradients)' if cfg.grad_reduce_in_bf16 else ''} | ZeRO-{zero} | "
+                f"{' (bf16 gradients)' if cfg.grad_reduce_in_bf16 else ''}"
+                f"{f' + FP8 GEMMs ({cfg.fp8_format}, {cfg.fp8_recipe})' if cfg.fp8_format else ''} | ZeRO-{zero} | "
                 f"micro batch {cfg.micro_batch_size} x {cfg.num_microbatches} accumulation x DP {cfg.data_parallel_size} = "
                 f"global batch {cfg.global_batch_size} | optimizer: {self.optimizer_name} | "
                 f"recompute {self.model[0].config.recompute_granularity or 'off'}"  # the built model's own setting
