@@ -3,12 +3,16 @@
 Shapes (65,536 tokens per optimizer step; TFLOP/s counts 6N + 12*L*h*s per token; MFU against 989 TFLOP/s):
   llama-1.3b   Llama-style 24 layers, hidden 2048, ffn 5504, 16 heads, seq 2048, vocab 32000, micro batch 8 x 4
   gpt2-124m    GPT-2 12 layers, hidden 768, 12 heads, seq 1024, vocab 50257, micro batch 32 x 2, dropout 0
+  llama3-8b-layers  Llama-3-8B's layers (hidden 4096, ffn 14336, 32 heads, 8 key/value groups), 4 of them, seq 4096,
+               vocab 32000 (not 8B's 128256: the layers are what is measured), micro batch 2 x 8
 
 Systems:
   engine          pretrain_megatron_gpt.py as users run it: bf16 weights, megatron-core's optimizer (fp32 main
                   weights, fused AdamW), SDPA core attention, mock data (random tokens)
   engine+compile  the same with --compile (each transformer layer compiled)
   engine+best     the same with --best-args (default: the shape's fastest flags measured, see BEST_ARGS)
+  engine+best+fp8 the same with FP8 GEMMs through torchao: --fp8-format hybrid (tensorwise recipe)
+  engine+best+fp8-rowwise  the same with --fp8-format e4m3 --fp8-recipe rowwise
   hf              transformers LlamaForCausalLM / GPT2LMHeadModel, attn_implementation="sdpa", fp32 weights +
                   autocast bf16, torch fused AdamW, clip 1.0
   hf+compile      the same, torch.compile(model)
@@ -38,7 +42,11 @@ SHAPES = {
     "llama-1.3b": dict(family="llama", layers=24, hidden=2048, ffn=5504, heads=16, seq=2048, vocab=32000, mbs=8, acc=4),
     # GPT-2: micro batch 32 x 2 for every system (engine+best +3-4% over 16 x 4 on an H100; fewer launches)
     "gpt2-124m": dict(family="gpt", layers=12, hidden=768, ffn=3072, heads=12, seq=1024, vocab=50257, mbs=32, acc=2),
+    "llama3-8b-layers": dict(family="llama", layers=4, hidden=4096, ffn=14336, heads=32, groups=8, seq=4096,
+                             vocab=32000, mbs=2, acc=8),
 }
+FP8_ARGS = {"engine+best+fp8": ["--fp8-format", "hybrid"],
+            "engine+best+fp8-rowwise": ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]}
 # The fastest flags measured for each shape (RESULTS.md): layers compiled, the Triton cross entropy, weight
 # gradients accumulated into the buffer by their GEMM, Adam in one fused kernel launch per param group (+1.0% on
 # GPT-2, +1.4% on Llama); GPT-2 also replays its layers as CUDA graphs (host overhead), Llama also keeps bf16
@@ -48,10 +56,13 @@ BEST_ARGS = {
                  "--gradient-accumulation-fusion --optimizer-step-fusion",
     "llama-1.3b": "--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl triton --grad-reduce-in-bf16 "
                   "--gradient-accumulation-fusion --optimizer-step-fusion",
+    "llama3-8b-layers": "--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl triton --grad-reduce-in-bf16 "
+                        "--gradient-accumulation-fusion --optimizer-step-fusion",
 }
 
 
 def flops_per_token(n_params, s):
+    # attention: 12*L*h*s counts causal attention as full (Megatron-LM's and our log's convention)
     return 6 * n_params + 12 * s["layers"] * s["hidden"] * s["seq"]
 
 
@@ -63,7 +74,8 @@ def run_engine(a, s, name: str, extra: list):
            "--max-position-embeddings", str(s["seq"]), "--hidden-dropout", "0", "--attention-dropout", "0",
            "--micro-batch-size", str(s["mbs"]), "--global-batch-size", str(s["mbs"] * s["acc"]),
            "--train-iters", str(iters), "--lr", "1e-4", "--lr-warmup-iters", "1", "--bf16", "--eval-iters", "0",
-           "--log-interval", str(iters), "--attention-backend", "sdpa", "--make-vocab-size-divisible-by", "128"] + extra
+           "--log-interval", str(iters), "--attention-backend", "sdpa", "--make-vocab-size-divisible-by", "128"] + (
+           ["--num-query-groups", str(s["groups"])] if s.get("groups") else []) + extra
     return run_measured(name, cmd, a.warmup, extra)
 
 
@@ -102,7 +114,7 @@ def _hf_model(s, liger: bool):
                                         fused_linear_cross_entropy=True)
         cfg = LlamaConfig(vocab_size=s["vocab"], hidden_size=s["hidden"], intermediate_size=s["ffn"],
                           num_hidden_layers=s["layers"], num_attention_heads=s["heads"],
-                          max_position_embeddings=s["seq"], tie_word_embeddings=False, attn_implementation="sdpa")
+                          num_key_value_heads=s.get("groups", s["heads"]), max_position_embeddings=s["seq"], tie_word_embeddings=False, attn_implementation="sdpa")
         return LlamaForCausalLM(cfg).cuda()
     cfg = GPT2Config(vocab_size=s["vocab"], n_embd=s["hidden"], n_layer=s["layers"], n_head=s["heads"],
                      n_positions=s["seq"], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
@@ -168,7 +180,9 @@ def run_hf(a, s, name: str):
 
 def run_one(a, s, name: str):
     if name.startswith("engine"):
-        extra = {"engine": [], "engine+compile": ["--compile"], "engine+best": shlex.split(a.best_args)}[name]
+        best = shlex.split(a.best_args)
+        extra = {"engine": [], "engine+compile": ["--compile"], "engine+best": best,
+                 **{k: best + v for k, v in FP8_ARGS.items()}}[name]
         return run_engine(a, s, name, extra + a.engine_args)
     return run_hf(a, s, name)
 
@@ -216,18 +230,21 @@ def main() -> None:
 
     print(f"\n{torch.cuda.get_device_name()} | {a.shape}: {s['layers']}L h{s['hidden']} ffn{s['ffn']} seq{s['seq']} "
           f"vocab{s['vocab']} | micro batch {s['mbs']} x {s['acc']} | {tokens} tokens/step")
-    print(f"{'system':<15} | {'tokens/s':>9} | {'TFLOP/s':>7} | {'MFU':>6} | {'vs best HF':>10} | {'peak GiB':>8} | "
+    print(f"{'system':<23} | {'tokens/s':>9} | {'TFLOP/s':>7} | {'MFU':>6} | {'vs best HF':>10} | {'vs engine+best':>14} | "
+          f"{'peak GiB':>8} | "
           f"{'1st step s':>10} | {'recompiles':>10} | loss first -> last")
     ok = [r for r in rows if "step_s" in r]
     base = min((r for r in ok if r["system"].startswith("hf")), key=lambda r: r["step_s"], default=None)
+    best = next((r for r in ok if r["system"] == "engine+best"), None)
     for r in rows:
         if "step_s" not in r:
-            print(f"{r['system']:<15} | FAILED: {r['error'][-300:]}")
+            print(f"{r['system']:<23} | FAILED: {r['error'][-300:]}")
             continue
         tps = tokens / r["step_s"]
         tf = tps * flops_per_token(r["params"], s) / 1e12
         ratio = f"{(base['step_s'] / r['step_s']):.2f}x" if base else "n/a"
-        print(f"{r['system']:<15} | {tps:9.0f} | {tf:7.1f} | {100 * tf / PEAK:5.1f}% | {ratio:>10} | "
+        vs_best = f"{(best['step_s'] / r['step_s']):.3f}x" if best else "n/a"
+        print(f"{r['system']:<23} | {tps:9.0f} | {tf:7.1f} | {100 * tf / PEAK:5.1f}% | {ratio:>10} | {vs_best:>14} | "
               f"{r['peak_gib']:8.1f} | {r['first_step_s']:10.1f} | {str(r.get('graphs_after_step2', '-')):>10} | "
               f"{r['loss_first']:.3f} -> {r['loss_last']:.3f}")
 

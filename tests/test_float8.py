@@ -184,3 +184,20 @@ def test_engine_fp8_rowwise_tensor_parallel_within_fp8_tolerance(tmp_path):
     one, _ = run_engine(tmp_path / "one", 1, *args)
     two, _ = run_engine(tmp_path / "two", 2, *args, "--tensor-model-parallel-size", "2", torchrun=False)
     assert train_losses(two) == pytest.approx(train_losses(one), rel=2e-3)
+
+
+@pytest.mark.slow
+def test_engine_fp8_compiles_without_graph_breaks(tmp_path):
+    """--compile with FP8 (bf16, emulated): each layer one graph (the float8 output gradient stays inside it) and the
+    eager FP8 run's losses."""
+    import os
+
+    args = [*SHORT, *FP8, "--bf16", "--num-layers", "2", "--train-iters", "3"]
+    eager, _ = run_engine(tmp_path / "eager", 1, *args)
+    os.environ["TORCH_LOGS"] = "graph_breaks"
+    try:
+        compiled, proc = run_engine(tmp_path / "compiled", 1, *args, "--compile")
+    finally:
+        del os.environ["TORCH_LOGS"]
+    assert "Graph break" not in proc.stderr
+    assert train_losses(compiled) == pytest.approx(train_losses(eager), rel=5e-3)

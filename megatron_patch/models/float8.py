@@ -34,6 +34,7 @@ from megatron_patch.compat.float8 import torchao_float8
 from megatron_patch.compat.linear import route_linears_through
 
 RECIPES = ("tensorwise", "rowwise")
+_AO = None  # compat's torchao_float8(), set by the first Float8Linear
 FORMAT_OF_RECIPE = {"tensorwise": "hybrid", "rowwise": "e4m3"}  # torchao's recipes, in Megatron-LM's format names
 
 
@@ -63,17 +64,18 @@ def _amax(x: torch.Tensor, group) -> torch.Tensor:
     return amax
 
 
-def _cast(x: torch.Tensor, dtype: torch.dtype, mm_config, role, group):
-    """x as a torchao float8 tensor with one scale, from its amax over `group` (None: this rank's)."""
-    ao = torchao_float8()
+def _cast(ao, x: torch.Tensor, dtype: torch.dtype, mm_config, role, group):
+    """x as a torchao float8 tensor (`ao`: compat's torchao_float8()) with one scale, from its amax over `group`
+    (None: this rank's)."""
     scale = ao.amax_to_scale(_amax(x, group), dtype)
     return ao.to_float8(x, scale, dtype, mm_config, role)
 
 
-@torch._dynamo.allow_in_graph
 class _Float8GradOutput(torch.autograd.Function):
     """Forward: nothing. Backward: the output gradient cast to `dtype` with one scale from its amax over `group`
-    (torchao's NoopFwToFloat8BwDynamic, plus the reduction a sharded gradient needs)."""
+    (torchao's NoopFwToFloat8BwDynamic, plus the reduction a sharded gradient needs). Traced by torch.compile into
+    the layer's graph (not allow_in_graph: its arguments are not tensors), so the float8 gradient never crosses a
+    graph boundary."""
 
     @staticmethod
     def forward(ctx, y, mm_config, dtype, group):
@@ -82,17 +84,18 @@ class _Float8GradOutput(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
-        ao = torchao_float8()
-        if ao.is_float8(dy):
+        if _AO.is_float8(dy):
             return dy, None, None, None
-        return _cast(dy, ctx.dtype, ctx.mm_config, ao.GemmInputRole.GRAD_OUTPUT, ctx.group), None, None, None
+        return _cast(_AO, dy, ctx.dtype, ctx.mm_config, _AO.GemmInputRole.GRAD_OUTPUT, ctx.group), None, None, None
 
 
 class Float8Linear:
     """The float8 GEMMs of one megatron-core linear (see the module docstring), for its `_forward_impl`."""
 
     def __init__(self, recipe: str, row_parallel: bool, emulate: bool, main_grad_fusion: bool, tp_group=None):
-        ao = torchao_float8()
+        global _AO
+        # resolved once: torch.compile traces matmul() and cannot build the namespace inside a graph
+        self.ao = ao = _AO = torchao_float8()
         self.recipe, self.row_parallel, self.main_grad_fusion = recipe, row_parallel, main_grad_fusion
         # The linear's own group (megatron-core passes none to the row-parallel function): the amax is reduced there
         self.group = tp_group if tp_group is not None and dist.get_world_size(tp_group) > 1 else None
@@ -104,13 +107,13 @@ class Float8Linear:
 
     def matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """x @ weight.t() in float8; `x` is this rank's full GEMM input (after any sequence-parallel gather)."""
-        ao, c = torchao_float8(), self.config
+        ao, c = self.ao, self.config
         if self.recipe == "rowwise":  # torchao casts each operand per GEMM along its contraction axis
             return ao.matmul.apply(x, weight.t(), self.mm_config, c)
         group, role = self.group, ao.GemmInputRole
-        w8 = _cast(weight, c.cast_config_weight.target_dtype, self.mm_config, role.WEIGHT, group)
+        w8 = _cast(ao, weight, c.cast_config_weight.target_dtype, self.mm_config, role.WEIGHT, group)
         # The column-parallel input is whole on every rank; the row-parallel input is cut along `in`.
-        x8 = _cast(x, c.cast_config_input.target_dtype, self.mm_config, role.INPUT,
+        x8 = _cast(ao, x, c.cast_config_input.target_dtype, self.mm_config, role.INPUT,
                    group if self.row_parallel else None)
         y = ao.matmul.apply(x8, w8.t(), self.mm_config, c)
         # The column-parallel output gradient is cut along `out`; the row-parallel one is whole.
