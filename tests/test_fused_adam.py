@@ -78,6 +78,40 @@ def test_kernel_matches_torch_adam(opt_cls, grad_dtype, shapes):
         assert torch.equal(t, m.to(torch.bfloat16))
 
 
+def test_bf16_moments_are_torchs_update_with_moments_rounded_each_step():
+    """--exp-avg-dtype/--exp-avg-sq-dtype bf16: the moments are computed in fp32 from the stored bf16 ones, the update
+    uses those fp32 values, and they are stored rounded to nearest even; the weights stay fp32."""
+    weights = _params("cpu", ALIGNED)
+    main = [w.clone() for w in weights]
+    model = [w.to(torch.bfloat16) for w in weights]
+    opt = torch.optim.AdamW([dict(params=main, weight_decay=0.1)], lr=1e-2, betas=(0.9, 0.95), eps=1e-8)
+    ref_p = [w.clone() for w in weights]
+    ref_m = [torch.zeros_like(w, dtype=torch.bfloat16) for w in weights]
+    ref_v = [torch.zeros_like(w, dtype=torch.bfloat16) for w in weights]
+    g = torch.Generator().manual_seed(1)
+    for step in range(1, 4):
+        for i, m in enumerate(main):
+            grad = torch.randn(m.shape, generator=g).to(torch.bfloat16)
+            m.grad_dtype = None
+            m.grad = grad
+            gf = grad.float()
+            p = ref_p[i] * (1 - 1e-2 * 0.1)
+            mf = 0.9 * ref_m[i].float() + 0.1 * gf
+            vf = 0.95 * ref_v[i].float() + 0.05 * gf * gf
+            denom = vf.sqrt() / (1 - 0.95 ** step) ** 0.5 + 1e-8
+            ref_p[i] = p - (1e-2 / (1 - 0.9 ** step)) * mf / denom
+            ref_m[i], ref_v[i] = mf.to(torch.bfloat16), vf.to(torch.bfloat16)
+        step_adam(opt, {id(m): t for m, t in zip(main, model)}, None, moments=(torch.bfloat16, torch.bfloat16))
+    for i, m in enumerate(main):
+        st = opt.state[m]
+        assert st["exp_avg"].dtype == st["exp_avg_sq"].dtype == torch.bfloat16 and m.dtype == torch.float32
+        torch.testing.assert_close(m, ref_p[i], rtol=1e-5, atol=1e-6)
+        # the same fp32 value rounded: equal, but where fp32 operation order lands on the other side of a tie
+        for got, want in ((st["exp_avg"], ref_m[i]), (st["exp_avg_sq"], ref_v[i])):
+            assert (got != want).float().mean() < 1e-3
+            torch.testing.assert_close(got.float(), want.float(), rtol=8e-3, atol=1e-8)
+
+
 def test_launch_table_is_reused_and_follows_tensors_that_move():
     """The launch table (the tensors' addresses) is built once and reused; when a state tensor is replaced (a
     checkpoint load does that), the next step writes the new tensor, not the old memory."""
@@ -116,6 +150,18 @@ def test_engine_with_fusion_trains_like_the_unfused_engine(tmp_path, extra):
     assert per_iteration(fused, "grad_norm") == pytest.approx(per_iteration(plain, "grad_norm"), rel=1e-3)
 
 
+def test_engine_with_bf16_moments_tracks_fp32_moments_with_a_third_less_optimizer_state(tmp_path):
+    args = ["--train-iters", "5", "--eval-iters", "0", *BF16, "--grad-reduce-in-bf16", "--optimizer-step-fusion"]
+    runs, proc = run_engines_in_one_process(tmp_path, {
+        "fp32": args, "bf16": [*args, "--exp-avg-dtype", "bf16", "--exp-avg-sq-dtype", "bf16"]})
+    assert "moments in bf16/bf16 (4 bytes per parameter instead of 8)" in proc.stdout
+    fp32, bf16 = runs["fp32"], runs["bf16"]
+    # fp32 main weights (4 bytes) + moments (8, or 4 in bf16) per parameter
+    assert bf16[0]["bytes_optimizer"] * 12 == pytest.approx(fp32[0]["bytes_optimizer"] * 8, rel=1e-3)
+    assert per_iteration(bf16, "loss") == pytest.approx(per_iteration(fp32, "loss"), rel=2e-3)
+    assert per_iteration(bf16, "loss") != pytest.approx(per_iteration(fp32, "loss"), rel=1e-7)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--tensor-model-parallel-size", "2"], ["--model-family", "llama",
                                     "--num-experts", "2", "--moe-router-topk", "2"]], ids=["tp2", "moe"])
@@ -148,6 +194,8 @@ def test_checkpoints_are_interchangeable_with_the_unfused_optimizer(tmp_path):
     (["--optimizer-step-fusion"], "add --bf16"),
     (["--optimizer-step-fusion", "--bf16", "--zero-1-memory-optimization"], "--zero-1-memory-optimization steps"),
     (["--optimizer-step-fusion", "--bf16", "--optimizers", "apex_lamb"], "--optimizers apex_lamb steps"),
+    (["--bf16", "--exp-avg-dtype", "bf16"], "--exp-avg-dtype bf16 keeps Adam's moments in bf16 through the fused Adam "
+                                             "kernel: add --optimizer-step-fusion"),
 ])
 def test_flag_rejections(argv, match):
     with pytest.raises(ConfigError, match=re.escape(match)):

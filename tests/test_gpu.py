@@ -211,3 +211,17 @@ def test_lora_compiled_tracks_eager(tmp_path):
     assert "LoRA rank 8" in proc.stdout
     close(train_losses(compiled), train_losses(eager), rel=1e-2)
     assert train_losses(eager)[-1] < train_losses(eager)[0]
+
+
+@pytest.mark.parametrize("recipe", [["--fp8-format", "hybrid"], ["--fp8-format", "e4m3", "--fp8-recipe", "rowwise"]],
+                         ids=["tensorwise", "rowwise"])
+def test_fp8_on_the_gpu_tracks_bf16(tmp_path, bf16, recipe):
+    """torch._scaled_mm (no emulation) in every linear of the layers (--fp8-layers all: the test model is small),
+    compiled, with fused weight-gradient accumulation: FP8 learns like bf16, and its GEMMs really are float8 (the
+    losses are not bf16's to the last digit)."""
+    lines, proc = run_engine(tmp_path, 1, *GPU, "--bf16", *recipe, "--fp8-layers", "all", "--compile",
+                             "--gradient-accumulation-fusion")
+    assert "torch._scaled_mm" in proc.stdout
+    ref = train_losses(bf16[0])
+    close(train_losses(lines), ref, rel=2e-2)
+    assert train_losses(lines) != pytest.approx(ref, rel=1e-4)

@@ -98,6 +98,15 @@ def gradient_accumulation_fusion(c: Config) -> Optional[str]:
 
 
 @rule("fusion")
+def moment_dtypes(c: Config) -> Optional[str]:
+    lower = [f"--{k.replace('_', '-')} {getattr(c, k)}" for k in ("exp_avg_dtype", "exp_avg_sq_dtype")
+             if getattr(c, k) != "fp32"]
+    if lower and not c.optimizer_step_fusion:
+        return (f"{' and '.join(lower)} keeps Adam's moments in bf16 through the fused Adam kernel: add "
+                f"--optimizer-step-fusion (megatron-core's precision-aware optimizer needs Transformer Engine)")
+
+
+@rule("fusion")
 def optimizer_step_fusion(c: Config) -> Optional[str]:
     if not c.optimizer_step_fusion:
         return None

@@ -162,6 +162,9 @@ class OptimizerConfig:
     adam_beta1: float = 0.9
     adam_beta2: float = 0.999
     adam_eps: float = 1e-8
+    # Adam's moments' dtypes (Megatron-LM's flags; bf16 needs --optimizer-step-fusion, whose kernel keeps them)
+    exp_avg_dtype: str = "fp32"
+    exp_avg_sq_dtype: str = "fp32"
 
 
 @dataclass(frozen=True)

@@ -506,6 +506,11 @@ FLAGS: Tuple[Flag, ...] = (
         _f("--gradient-accumulation-fusion", STORE_TRUE, ENGINE, "linear layers accumulate their weight gradients "
            "straight into the gradient buffer (one GEMM per weight and micro batch, no separate add; Megatron-LM's "
            "default with apex)"),
+        _f("--exp-avg-dtype", str, ENGINE, "dtype of Adam's first moment (Megatron-LM's flag): bf16 halves it (with "
+           "--optimizer-step-fusion, whose kernel computes in fp32 and stores bf16; megatron-core's own precision-aware "
+           "optimizer needs Transformer Engine)", choices=("fp32", "bf16")),
+        _f("--exp-avg-sq-dtype", str, ENGINE, "dtype of Adam's second moment, as --exp-avg-dtype",
+           choices=("fp32", "bf16")),
         _f("--optimizer-step-fusion", STORE_TRUE, ENGINE, "with --bf16: the Adam step in one Triton kernel (one launch "
            "per param group) that reads the gradient buffer, clips, updates the fp32 weights and moments and writes "
            "the bf16 weights (no fp32 gradient copies, one pass instead of four; GPU, or TRITON_INTERPRET=1 on the "

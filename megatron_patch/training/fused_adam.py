@@ -39,20 +39,21 @@ BLOCK = 2048  # elements per program; a memory-bound elementwise kernel, 8 warps
 
 
 def _adam_kernel(table_ptr, block_tensor_ptr, corr_ptr, coef_ptr, lr, beta1, beta2, eps, weight_decay,
-                 GRAD: tl.constexpr, MODEL: tl.constexpr, ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr,
-                 BLOCK: tl.constexpr):
+                 GRAD: tl.constexpr, MODEL: tl.constexpr, MOMENT: tl.constexpr, MOMENT_SQ: tl.constexpr,
+                 ALIGNED: tl.constexpr, DECOUPLED: tl.constexpr, BLOCK: tl.constexpr):
     """One block of one of many tensors (one launch for all of them): the program's tensor is
     block_tensor[program_id], whose row of `table` holds its pointers, size and first block. g = grad * coef;
     torch's Adam(W) update of main/exp_avg/exp_avg_sq in fp32; the new weight rounded into the model's bf16/fp16
-    tensor when there is one. corr = [1 - beta1**t, 1 - beta2**t]. ALIGNED: every pointer 16-byte aligned and
+    tensor when there is one. The moments are kept in MOMENT / MOMENT_SQ (fp32, or bf16: computed in fp32, rounded to
+    nearest even when stored). corr = [1 - beta1**t, 1 - beta2**t]. ALIGNED: every pointer 16-byte aligned and
     every size a multiple of 16 (the host checked), which lets the compiler use 16-byte loads and stores."""
     pid = tl.program_id(0)
     # a row: main, grad, exp_avg, exp_avg_sq, model pointers, numel, first block
     row = table_ptr + tl.load(block_tensor_ptr + pid).to(tl.int64) * 7
     main_ptr = tl.load(row).to(tl.pointer_type(tl.float32))
     grad_ptr = tl.load(row + 1).to(tl.pointer_type(GRAD))
-    exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-    exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+    exp_avg_ptr = tl.load(row + 2).to(tl.pointer_type(MOMENT))
+    exp_avg_sq_ptr = tl.load(row + 3).to(tl.pointer_type(MOMENT_SQ))
     model_ptr = tl.load(row + 4).to(tl.pointer_type(MODEL))
     n = tl.load(row + 5)
     offs = (pid - tl.load(row + 6)) * BLOCK + tl.arange(0, BLOCK)
@@ -69,8 +70,8 @@ def _adam_kernel(table_ptr, block_tensor_ptr, corr_ptr, coef_ptr, lr, beta1, bet
     bc2 = tl.load(corr_ptr + 1).to(tl.float32)
     g = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32) * tl.load(coef_ptr)
     p = tl.load(main_ptr + offs, mask=mask, other=0.0)
-    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+    m = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    v = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0).to(tl.float32)
     if DECOUPLED:  # AdamW
         p = p - lr * weight_decay * p
     else:  # Adam: L2 penalty in the gradient
@@ -80,8 +81,18 @@ def _adam_kernel(table_ptr, block_tensor_ptr, corr_ptr, coef_ptr, lr, beta1, bet
     denom = tl.sqrt(v) / tl.sqrt(bc2) + eps
     p = p - (lr / bc1) * m / denom
     tl.store(main_ptr + offs, p, mask=mask)
-    tl.store(exp_avg_ptr + offs, m, mask=mask)
-    tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
+    if MOMENT == tl.bfloat16:  # (the interpreter's cast truncates: rounded by hand, as below)
+        m_bits = m.to(tl.uint32, bitcast=True)
+        m_bits = m_bits + 0x7FFF + ((m_bits >> 16) & 1)
+        tl.store(exp_avg_ptr + offs, (m_bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(exp_avg_ptr + offs, m, mask=mask)
+    if MOMENT_SQ == tl.bfloat16:
+        v_bits = v.to(tl.uint32, bitcast=True)
+        v_bits = v_bits + 0x7FFF + ((v_bits >> 16) & 1)
+        tl.store(exp_avg_sq_ptr + offs, (v_bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
     if MODEL == tl.bfloat16:  # round to nearest even by hand (the interpreter's cast truncates)
         bits = p.to(tl.uint32, bitcast=True)
         bits = bits + 0x7FFF + ((bits >> 16) & 1)
@@ -138,7 +149,7 @@ def adam_update_(tensors: List[Tuple[torch.Tensor, ...]], corrections: torch.Ten
                  lr: float, beta1: float, beta2: float, eps: float, weight_decay: float, decoupled: bool,
                  table: Optional[LaunchTable] = None) -> LaunchTable:
     """One Adam(W) step of many tensors in place, in one launch: `tensors` are (main, grad, exp_avg, exp_avg_sq,
-    model) with main and moments fp32, grad of one float dtype for all (scaled by the one-element fp32 `coef`:
+    model) with main fp32, each moment fp32 or bf16 (one dtype for all), grad of one float dtype for all (scaled by the one-element fp32 `coef`:
     gradient clipping), model None for all or of one dtype for all (it receives the new weight). All contiguous,
     each tuple's of one size; `corrections` from bias_corrections(). Returns the launch table; pass it back as
     `table` to skip rebuilding it when the tensors are the same."""
@@ -149,14 +160,14 @@ def adam_update_(tensors: List[Tuple[torch.Tensor, ...]], corrections: torch.Ten
         _check(main, tuple(others))
     if table is None or table.key != LaunchTable.key_of(tensors):
         table = LaunchTable(tensors)
-    grad, model = tensors[0][1], tensors[0][4]
+    grad, exp_avg, exp_avg_sq, model = tensors[0][1:]
     main = tensors[0][0]
     ctx = torch.cuda.device(main.device) if main.is_cuda else contextlib.nullcontext()
     with ctx:
         jit(_adam_kernel)[(table.blocks,)](
             table.table, table.block_tensor, corrections, coef, float(lr), float(beta1), float(beta2), float(eps),
             float(weight_decay), GRAD=_TL[grad.dtype], MODEL=_TL[torch.float32 if model is None else model.dtype],
-            ALIGNED=table.aligned, DECOUPLED=decoupled, BLOCK=BLOCK, num_warps=8)
+            MOMENT=_TL[exp_avg.dtype], MOMENT_SQ=_TL[exp_avg_sq.dtype], ALIGNED=table.aligned, DECOUPLED=decoupled, BLOCK=BLOCK, num_warps=8)
     return table
 
 
@@ -167,17 +178,20 @@ def _cdiv(a: int, b: int) -> int:
     return (a + b - 1) // b
 
 
-def _state(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> dict:
+def _state(optimizer: torch.optim.Optimizer, p: torch.Tensor, moments=(torch.float32, torch.float32)) -> dict:
     """torch's Adam state of `p`, created as torch creates it for a fused group when missing (megatron-core's
-    init_state_fn makes the moments without `step`)."""
+    init_state_fn makes the moments without `step`), its moments in `moments` (exp_avg's and exp_avg_sq's dtypes:
+    --exp-avg-dtype, --exp-avg-sq-dtype; fp32 moments loaded from a checkpoint are converted once)."""
     st = optimizer.state[p]
     if "step" not in st:
         st["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
     elif st["step"].device != p.device:  # loaded into a group torch did not know as fused: left on the CPU
         st["step"] = st["step"].to(p.device)
-    for key in ("exp_avg", "exp_avg_sq"):
+    for key, dtype in zip(("exp_avg", "exp_avg_sq"), moments):
         if key not in st:
-            st[key] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            st[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        elif st[key].dtype != dtype:
+            st[key] = st[key].to(dtype)
     return st
 
 
@@ -193,17 +207,19 @@ def check_optimizer(optimizer: torch.optim.Optimizer) -> None:
             raise ValueError("--optimizer-step-fusion needs a float learning rate, not a tensor")
 
 
-def step_adam(optimizer: torch.optim.Optimizer, models: Dict[int, torch.Tensor], coef: Optional[torch.Tensor]) -> None:
+def step_adam(optimizer: torch.optim.Optimizer, models: Dict[int, torch.Tensor], coef: Optional[torch.Tensor],
+              moments=(torch.float32, torch.float32)) -> None:
     """One step of every parameter of torch Adam/AdamW `optimizer` whose `.grad` is set, by the kernel: one launch
     per param group (and per gradient/model dtype in it). `models` maps id(main parameter) -> the model tensor that
-    receives its new value; `coef` is the clipping factor (a one-element tensor or None for 1)."""
+    receives its new value; `coef` is the clipping factor (a one-element tensor or None for 1); `moments` the
+    dtypes of exp_avg and exp_avg_sq."""
     decoupled_default = isinstance(optimizer, torch.optim.AdamW)  # torch >= 2.6 also says so in each group
     tables = optimizer.__dict__.setdefault("_fused_adam_tables", {})  # (group, dtypes) -> LaunchTable
     for index, group in enumerate(optimizer.param_groups):
         params = [p for p in group["params"] if p.grad is not None]
         if not params:
             continue
-        states = [_state(optimizer, p) for p in params]
+        states = [_state(optimizer, p, moments) for p in params]
         steps: List[torch.Tensor] = [st["step"] for st in states]
         torch._foreach_add_(steps, 1)
         beta1, beta2 = group["betas"]
@@ -224,11 +240,21 @@ def step_adam(optimizer: torch.optim.Optimizer, models: Dict[int, torch.Tensor],
                 weight_decay=group["weight_decay"], decoupled=decoupled, table=tables.get((index, kind)))
 
 
-def apply_optimizer_step_fusion(optimizer) -> str:
+MOMENT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def apply_optimizer_step_fusion(optimizer, exp_avg_dtype: str = "fp32", exp_avg_sq_dtype: str = "fp32") -> str:
     """Make every megatron-core mixed-precision wrapper in `optimizer` step with the kernel (see the module's
-    docstring); returns a log line."""
+    docstring), its moments kept in the given dtypes ("fp32" or "bf16"); returns a log line."""
+    import functools
+
     from megatron_patch.compat.optimizer import fuse_optimizer_step
 
-    count, numel = fuse_optimizer_step(optimizer, step_adam, check_optimizer)
+    moments = (MOMENT_DTYPES[exp_avg_dtype], MOMENT_DTYPES[exp_avg_sq_dtype])
+    count, numel = fuse_optimizer_step(optimizer, functools.partial(step_adam, moments=moments), check_optimizer)
+    kept = "" if moments == (torch.float32, torch.float32) else (
+        f", moments in {exp_avg_dtype}/{exp_avg_sq_dtype} ({sum(d.itemsize for d in moments)} bytes per parameter "
+        f"instead of 8)")
     return (f"optimizer step fusion: Adam in one Triton kernel launch per param group ({count} tensors, "
-            f"{numel / 1e6:.1f}M parameters), gradients read from the gradient buffer, clipping applied in the kernel")
+            f"{numel / 1e6:.1f}M parameters), gradients read from the gradient buffer, clipping applied in the "
+            f"kernel{kept}")

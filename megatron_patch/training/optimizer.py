@@ -55,7 +55,7 @@ def build_optimizer(cfg: Config, model_chunks) -> Tuple[object, str]:
 
         if on_gpu:
             use_fused_adam(opt)  # torch's own steps stay interchangeable: state kept as for its fused kernel
-        return opt, apply_optimizer_step_fusion(opt)
+        return opt, apply_optimizer_step_fusion(opt, cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype)
     if not using_torch:
         return opt, "fused Adam from Transformer Engine/apex"
     if on_gpu:
