@@ -3,6 +3,9 @@
 Shapes (65,536 tokens per optimizer step; TFLOP/s counts 6N + 12*L*h*s per token; MFU against 989 TFLOP/s):
   llama-1.3b   Llama-style 24 layers, hidden 2048, ffn 5504, 16 heads, seq 2048, vocab 32000, micro batch 8 x 4
   gpt2-124m    GPT-2 12 layers, hidden 768, 12 heads, seq 1024, vocab 50257, micro batch 32 x 2, dropout 0
+  llama-1.3b-16k, llama-1.3b-32k  the Llama 1.3B shape at sequence 16,384 (micro batch 1 x 4) and 32,768 (1 x 2)
+  llama3-8b    Llama-3-8B whole (32 layers, vocab 128256, GQA), seq 8192, micro batch 1 x 8: one GPU holds it with
+               full recompute and bf16 Adam moments (--exp-avg-dtype bf16); HF with --hf-memory-savings
   llama3-8b-layers  Llama-3-8B's layers (hidden 4096, ffn 14336, 32 heads, 8 key/value groups), 4 of them, seq 4096,
                vocab 32000 (not 8B's 128256: the layers are what is measured), micro batch 2 x 8
 
@@ -42,6 +45,12 @@ SHAPES = {
     "llama-1.3b": dict(family="llama", layers=24, hidden=2048, ffn=5504, heads=16, seq=2048, vocab=32000, mbs=8, acc=4),
     # GPT-2: micro batch 32 x 2 for every system (engine+best +3-4% over 16 x 4 on an H100; fewer launches)
     "gpt2-124m": dict(family="gpt", layers=12, hidden=768, ffn=3072, heads=12, seq=1024, vocab=50257, mbs=32, acc=2),
+    "llama-1.3b-16k": dict(family="llama", layers=24, hidden=2048, ffn=5504, heads=16, seq=16384, vocab=32000, mbs=1,
+                           acc=4),
+    "llama-1.3b-32k": dict(family="llama", layers=24, hidden=2048, ffn=5504, heads=16, seq=32768, vocab=32000, mbs=1,
+                           acc=2),
+    "llama3-8b": dict(family="llama", layers=32, hidden=4096, ffn=14336, heads=32, groups=8, seq=8192, vocab=128256,
+                      mbs=1, acc=8, rope_base=500000),
     "llama3-8b-layers": dict(family="llama", layers=4, hidden=4096, ffn=14336, heads=32, groups=8, seq=4096,
                              vocab=32000, mbs=2, acc=8),
 }
@@ -56,6 +65,17 @@ BEST_ARGS = {
                  "--gradient-accumulation-fusion --optimizer-step-fusion",
     "llama-1.3b": "--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl triton --grad-reduce-in-bf16 "
                   "--gradient-accumulation-fusion --optimizer-step-fusion",
+    # long sequences: the loss without the logits (linear: chunks of the output layer), selective recompute
+    "llama-1.3b-16k": "--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl linear --grad-reduce-in-bf16 "
+                      "--gradient-accumulation-fusion --optimizer-step-fusion",
+    "llama-1.3b-32k": "--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl linear --grad-reduce-in-bf16 "
+                      "--gradient-accumulation-fusion --optimizer-step-fusion --checkpoint-activations "
+                      "--recompute-granularity full --recompute-method block --recompute-num-layers 12",
+    # 8B on one GPU: 16 GB bf16 weights + 16 GB bf16 gradients + 32 GB fp32 main weights + 32 GB bf16 moments
+    "llama3-8b": "--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl linear --grad-reduce-in-bf16 "
+                 "--gradient-accumulation-fusion --optimizer-step-fusion --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 "
+                 "--checkpoint-activations --recompute-granularity full --recompute-method uniform "
+                 "--recompute-num-layers 1",
     "llama3-8b-layers": "--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl triton --grad-reduce-in-bf16 "
                         "--gradient-accumulation-fusion --optimizer-step-fusion",
 }
@@ -75,7 +95,8 @@ def run_engine(a, s, name: str, extra: list):
            "--micro-batch-size", str(s["mbs"]), "--global-batch-size", str(s["mbs"] * s["acc"]),
            "--train-iters", str(iters), "--lr", "1e-4", "--lr-warmup-iters", "1", "--bf16", "--eval-iters", "0",
            "--log-interval", str(iters), "--attention-backend", "sdpa", "--make-vocab-size-divisible-by", "128"] + (
-           ["--num-query-groups", str(s["groups"])] if s.get("groups") else []) + extra
+           ["--num-query-groups", str(s["groups"])] if s.get("groups") else []) + (
+           ["--rotary-base", str(s["rope_base"])] if s.get("rope_base") else []) + extra
     return run_measured(name, cmd, a.warmup, extra)
 
 
@@ -140,6 +161,9 @@ def run_hf(a, s, name: str):
     liger = name == "hf+liger"
     model = _hf_model(s, liger)
     n = sum(p.numel() for p in model.parameters())
+    if a.hf_memory_savings:  # bf16 weights, gradients and AdamW state (no fp32 master copy), layers recomputed
+        model.to(torch.bfloat16)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     fwd = torch.compile(model) if name == "hf+compile" else model
     flce = None
@@ -198,6 +222,8 @@ def main() -> None:
                    "accumulation steps change so that the tokens per optimizer step stay the same")
     p.add_argument("--best-args", help="flags of engine+best, one string (default: the shape's fastest measured, "
                                         + "; ".join(f"{k}: {v}" for k, v in BEST_ARGS.items()) + ")")
+    p.add_argument("--hf-memory-savings", action="store_true", help="HF systems in bf16 (weights, gradients, AdamW "
+                   "state) with gradient checkpointing: what fits an 8B model or a long sequence on one GPU")
     p.add_argument("--engine-args", nargs=argparse.REMAINDER, default=[], help="added to every engine run")
     p.add_argument("--out", default="bench_pretrain.jsonl")
     p.add_argument("--inner", action="store_true", help=argparse.SUPPRESS)  # one HF system, in a subprocess
@@ -252,7 +278,8 @@ def main() -> None:
 def _subprocess_hf(a, name: str) -> dict:
     out = tempfile.mktemp(suffix=".jsonl")
     cmd = [sys.executable, os.path.abspath(__file__), "--inner", "--shape", a.shape, "--systems", name,
-           "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", out] + (["--layers", str(a.layers)] if a.layers else []) + (
+           "--steps", str(a.steps), "--warmup", str(a.warmup), "--out", out] + (
+           ["--hf-memory-savings"] if a.hf_memory_savings else []) + (["--layers", str(a.layers)] if a.layers else []) + (
            ["--micro-batch", str(a.micro_batch)] if a.micro_batch else [])
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode:
