@@ -43,7 +43,7 @@ def inactive_params(s) -> int:
 def engine(a, name: str):
     moe = name.startswith("engine-moe")
     s = shape(a, moe)
-    extra = ["--num-query-groups", str(s["groups"])]
+    extra = []  # (run_engine passes the shape's --num-query-groups)
     if moe:
         extra += ["--num-experts", str(EXPERTS), "--moe-router-topk", str(TOPK), "--moe-ffn-hidden-size", str(MOE_FFN),
                   "--moe-aux-loss-coeff", "0.01", "--moe-token-dispatcher-type", "alltoall"]

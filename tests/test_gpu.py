@@ -225,3 +225,24 @@ def test_fp8_on_the_gpu_tracks_bf16(tmp_path, bf16, recipe):
     ref = train_losses(bf16[0])
     close(train_losses(lines), ref, rel=2e-2)
     assert train_losses(lines) != pytest.approx(ref, rel=1e-4)
+
+
+def test_moe_grouped_steps_without_host_synchronisation(tmp_path):
+    """--moe-grouped-gemm at EP 1 (the device dispatcher, models/moe_dispatch.py), the whole MoE layer compiled: no
+    training step after the first two makes the host wait for the GPU (torch.cuda.set_sync_debug_mode("error"))."""
+    import json
+    import subprocess
+    import sys
+
+    from engine_utils import ROOT, TINY
+
+    out = tmp_path / "sync.json"
+    argv = [*TINY, "--train-iters", "6", "--eval-iters", "0", "--bf16", "--model-family", "llama", "--num-experts", "8",
+            "--moe-router-topk", "2", "--moe-ffn-hidden-size", "128", "--moe-aux-loss-coeff", "0.01",
+            "--moe-grouped-gemm", "--compile", "--log-interval", "100"]
+    proc = subprocess.run([sys.executable, f"{ROOT}/tests/sync_free_worker.py", str(out), *argv], capture_output=True,
+                          text=True, cwd=tmp_path, timeout=600)
+    result = json.loads(out.read_text())
+    assert result["sync"] is None, result["sync"]
+    assert result["checked_steps"] == 4, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "MoE dispatch on the device: 4 MoE layers" in proc.stdout

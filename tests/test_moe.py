@@ -68,6 +68,9 @@ def test_layout_matches_single_process(name, reference, tmp_path):
     if "--moe-grouped-gemm" in args:
         assert "MoE grouped GEMM: the experts of 2 MoE layers run as two torch._grouped_mm calls per layer" \
             in proc.stdout
+        # at EP 1 the tokens are dispatched on the device (models/moe_dispatch.py), else by megatron-core
+        local = nproc == 1 or "--expert-model-parallel-size" not in args
+        assert f"MoE dispatch on the device: {2 if local else 0} MoE layers" in proc.stdout, proc.stdout
     if "--gradient-accumulation-fusion" in args:  # 2 layers x (QKV, projection) + output; 2 x 4 experts x 2
         assert ("gradient accumulation fusion: 5 linear layers" in proc.stdout
                 and "16 expert linears run as grouped GEMMs" in proc.stdout), proc.stdout

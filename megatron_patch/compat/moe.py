@@ -117,6 +117,34 @@ def route_experts_through(chunks: Iterable[torch.nn.Module], make_forward: Calla
 
 
 
+@register(upstream=("megatron/core/transformer/moe/moe_layer.py:MoELayer.preprocess",
+                    "megatron/core/transformer/moe/moe_layer.py:MoELayer.dispatch",
+                    "megatron/core/transformer/moe/moe_layer.py:MoELayer.routed_experts_compute",
+                    "megatron/core/transformer/moe/moe_layer.py:MoELayer.combine",
+                    "megatron/core/transformer/moe/moe_layer.py:MoELayer.postprocess",
+                    "megatron/core/transformer/moe/token_dispatcher.py:MoEAlltoAllTokenDispatcher.dispatch_preprocess",
+                    "megatron/core/transformer/moe/token_dispatcher.py:MoEAlltoAllTokenDispatcher.combine_postprocess"),
+          fixes="megatron-core's token dispatchers read the tokens per expert on the host in every MoE layer (split "
+                "sizes, the permutation's size); at EP 1 each layer's `token_dispatcher` (which MoELayer calls through "
+                "dispatch_preprocess, token_dispatch, dispatch_postprocess, combine_preprocess, token_combine, "
+                "combine_postprocess, get_expert_zero_copy_buffers) becomes make(layer), one with static shapes "
+                "(models/moe_dispatch.py), where make returns one",
+          fingerprint="36512d814e1c8ec4")
+def use_token_dispatcher(chunks: Iterable[torch.nn.Module], make: Callable[[torch.nn.Module], object]) -> int:
+    """Set every MoELayer's `token_dispatcher` in `chunks` to `make(layer)` unless that is None; returns how many."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    count = 0
+    for chunk in chunks:
+        for module in chunk.modules():
+            if isinstance(module, MoELayer):
+                new = make(module)
+                if new is not None:
+                    module.token_dispatcher = new
+                    count += 1
+    return count
+
+
 @register(upstream=("megatron/core/tensor_parallel/mappings.py:reduce_from_tensor_model_parallel_region",
                     "megatron/core/tensor_parallel/mappings.py:reduce_scatter_to_sequence_parallel_region",
                     "megatron/core/tensor_parallel/mappings.py:_reduce",

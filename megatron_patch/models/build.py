@@ -88,7 +88,10 @@ def build_model_chunks(cfg: Config, vocab_size: int,
 
         print_rank_0(apply_lora(chunks, cfg))
     if cfg.moe_grouped_gemm:
+        from .moe_dispatch import apply_device_dispatch
+
         print_rank_0(apply_grouped_experts(chunks))
+        print_rank_0(apply_device_dispatch(chunks))
     if cfg.fp8_format and resolve_attention_backend(cfg) != "te":  # with Transformer Engine, its layers do FP8
         from .float8 import apply_float8
 

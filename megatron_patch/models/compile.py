@@ -8,8 +8,9 @@ Compiling each layer's `forward` instead (torchtitan compiles per block the same
 shapes, so dynamo compiles once and reuses that graph for the others (guards on which layer it is are cheap).
 The module objects stay the same, so parameter names, state dicts and the DDP/FSDP wrappers are untouched.
 
-MoE layers: only their attention is compiled; the router and token dispatcher produce data-dependent shapes
-and host synchronisations that would break and recompile the graph every step.
+MoE layers: with megatron-core's token dispatchers only their attention is compiled (the dispatchers produce
+data-dependent shapes and host synchronisations that would break and recompile the graph every step); with the
+device dispatcher (models/moe_dispatch.py: --moe-grouped-gemm at EP 1) the whole layer is, router and experts too.
 """
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def apply_compile(chunks: List[torch.nn.Module], mode: str = "default") -> str:
     dense = moe = 0
     for chunk in chunks:
         for layer in _layers(chunk):
-            if type(layer.mlp).__name__ == "MoELayer":
+            if (type(layer.mlp).__name__ == "MoELayer"
+                    and type(layer.mlp.token_dispatcher).__name__ != "DeviceTokenDispatcher"):
                 layer.self_attention.forward = compile_(layer.self_attention.forward)
                 moe += 1
             else:
