@@ -5,6 +5,7 @@
 # any extra argument is passed to pretrain_megatron_gpt.py (see its --help) after the launcher's own
 # flags, so it wins over them, e.g.
 #   TP=2 PP=2 GPUS=8 MODEL_SIZE=1.3b bash pretrain_scripts/run_gpt.sh --bf16 --train-iters 1000
+# MEMORY=one-gpu adds the flags that fit the largest model on one GPU (see below).
 # Multi-node: the same command on every node with NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT set.
 #
 # Defaults that depend on other settings (global batch, warmup, save interval, max positions) are not
@@ -51,6 +52,17 @@ else
 fi
 common_args
 ARGS+=(--weight-decay 0.1 --clip-grad 1.0 --adam-beta2 0.95)
+# MEMORY=one-gpu: the largest model one GPU trains whole (not LoRA), e.g. MODEL_FAMILY=llama3 MODEL_SIZE=8b on a
+# 141 GB H200: bf16 gradients, Adam's moments in bf16 through the fused kernel, every layer recomputed, the loss
+# through the output layer in chunks (no logits), layers compiled. About 12 bytes per parameter of model state.
+case "${MEMORY:-}" in
+  "") ;;
+  one-gpu) ARGS+=(--bf16 --grad-reduce-in-bf16 --optimizer-step-fusion --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16
+                  --checkpoint-activations --recompute-granularity full --recompute-method uniform
+                  --recompute-num-layers 1 --cross-entropy-loss-fusion --cross-entropy-fusion-impl linear
+                  --gradient-accumulation-fusion --compile) ;;
+  *) echo "configuration error: MEMORY=$MEMORY: the preset is one-gpu (or leave MEMORY unset)" >&2; exit 2 ;;
+esac
 if [ -n "${DATA_PATH:-}" ]; then
   # DATA_PATH may be "prefix" or "w1 prefix1 w2 prefix2"; give the tokenizer through TOKENIZER_ARGS.
   read -r -a DATA_ARGS <<< "$DATA_PATH"

@@ -97,6 +97,17 @@ def test_run_gpt_sh_flags_win_over_the_launcher_defaults(tmp_path):
     assert ", fp16, " in settings("--fp16") and ", bf16, " in settings("--bf16")  # whatever PRECISION defaults to
 
 
+def test_run_gpt_sh_one_gpu_memory_preset(tmp_path):
+    """MEMORY=one-gpu: bf16 gradients, bf16 Adam moments in the fused kernel, full recompute, the chunked loss; the
+    configuration it makes passes the engine's checks (the Triton kernel's interpreter stands in for a GPU)."""
+    rc, err = _launch(tmp_path, "--mock-data", "--validate-only", MEMORY="one-gpu", MODEL_FAMILY="llama",
+                      TRITON_INTERPRET="1")
+    assert rc == 0, err
+    assert "bf16, recompute full, Adam moments bf16/bf16, bf16 gradients, ZeRO-0" in err, err
+    rc, err = _launch(tmp_path, "--mock-data", "--validate-only", MEMORY="lots")
+    assert rc == 2 and "MEMORY=lots: the preset is one-gpu" in err
+
+
 def test_run_gpt_sh_refuses_a_configuration_before_launch(tmp_path):
     rc, err = _launch(tmp_path, "--mock-data", "--tensor-model-parallel-size", "3", GPUS="2")
     assert rc == 2

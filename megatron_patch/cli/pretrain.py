@@ -44,11 +44,19 @@ def describe(cfg: Config, data: str) -> str:
     if cfg.model_family == "bert":
         model += (f", masked LM (--mask-prob {cfg.mask_prob:g})"
                   + (" + next-sentence prediction" if cfg.bert_binary_head else ", no next-sentence head"))
+    memory = [f"recompute {cfg.recompute_granularity}"] if cfg.recompute_granularity else []
+    if "bf16" in (cfg.exp_avg_dtype, cfg.exp_avg_sq_dtype):
+        memory.append(f"Adam moments {cfg.exp_avg_dtype}/{cfg.exp_avg_sq_dtype}")
+    if cfg.grad_reduce_in_bf16:
+        memory.append("bf16 gradients")
+    if cfg.fp8_format:
+        memory.append(f"FP8 {cfg.fp8_format} {cfg.fp8_recipe}")
+    model_dtype = cfg.params_dtype_name + "".join(f", {m}" for m in memory)
     return (f"configuration ok for {cfg.world_size} process(es): {model} "
             f"({cfg.num_layers} layers, hidden {cfg.hidden_size}), "
             f"TP {cfg.tensor_model_parallel_size} x PP {cfg.pipeline_model_parallel_size} x DP {cfg.data_parallel_size}, "
             f"micro batch {cfg.micro_batch_size} x {cfg.num_microbatches} x DP {cfg.data_parallel_size} = "
-            f"global batch {cfg.global_batch_size}, seq {cfg.seq_length}, {cfg.params_dtype_name}, ZeRO-{cfg.zero_stage}, "
+            f"global batch {cfg.global_batch_size}, seq {cfg.seq_length}, {model_dtype}, ZeRO-{cfg.zero_stage}, "
             f"{cfg.train_iters} iterations, lr {cfg.lr:g} warmup {warmup} {cfg.lr_decay_style} decay over "
             f"{cfg.decay_iters}, checkpoints {save}\ndata: {data}")
 
