@@ -54,7 +54,7 @@ class DeviceTokenDispatcher:
         self.routing_map = routing_map
         tokens = hidden_states.reshape(-1, hidden_states.shape[-1])
         # each token's k experts (a row of the map has exactly k ones when nothing is dropped)
-        experts = torch.topk(routing_map.to(torch.int8), self.topk, dim=1, sorted=False).indices.reshape(-1)
+        experts = torch.topk(routing_map.to(torch.float32), self.topk, dim=1, sorted=False).indices.reshape(-1)
         order = torch.argsort(experts, stable=True)
         self._token_index = torch.div(order, self.topk, rounding_mode="floor")
         expert_of_row = experts.index_select(0, order)
