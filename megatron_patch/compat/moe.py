@@ -8,7 +8,7 @@ without a GPU only; a model without experts never reaches the patched code.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Dict, Iterable, List
 
 import torch
 
@@ -143,6 +143,27 @@ def use_token_dispatcher(chunks: Iterable[torch.nn.Module], make: Callable[[torc
                     module.token_dispatcher = new
                     count += 1
     return count
+
+
+@register(upstream=("megatron/core/transformer/moe/moe_logging.py:MoEMetricsTracker.report",
+                    "megatron/core/transformer/moe/moe_logging.py:MoEMetricsTracker._sync_metrics",
+                    "megatron/core/transformer/moe/moe_logging.py:MoEMetricsTracker._aggregate",
+                    "megatron/core/transformer/moe/moe_logging.py:MoEMetricsTracker._count_moe_layers"),
+          fixes="the tracker's report() formats its scalars into a log string (a host read of each, every step: the "
+                "GPU waits at the end of every step); the same reduction and mean over MoE layers, kept on the device, "
+                "and the tracker cleared, without the string",
+          fingerprint="299f238c7387dc49")
+def moe_tracked_means(tracker, names: List[str], loss_scale: float, num_layers: int, moe_layer_freq) -> Dict:
+    """{name: 0-dim tensor on the device}: what tracker.report(..., force_initialize=True) puts into its
+    total_loss_dict for `names` (reduced over PP / TP / DP, times loss_scale, the mean over MoE layers); clears the
+    tracker."""
+    for name in names:
+        tracker.ensure_initialized(name, num_layers)
+    tracker._sync_metrics(names, None)
+    moe_layers = tracker._count_moe_layers(num_layers, moe_layer_freq, None)
+    out = tracker._aggregate(loss_scale, moe_layers, names, None)
+    tracker.clear()
+    return out
 
 
 @register(upstream=("megatron/core/tensor_parallel/mappings.py:reduce_from_tensor_model_parallel_region",

@@ -5,7 +5,8 @@ megatron-core's routers record their auxiliary losses in its metrics tracker
 TopKRouter.attach_and_log_load_balancing_loss and apply_z_loss; the deprecated `moe_utils.track_moe_metrics`
 / `get_moe_layer_wise_logging_tracker` wrap the same tracker): one value per layer, summed over the micro
 batches of a step, each divided by its coefficient. `report()` reduces it over PP / TP / DP as Megatron-LM's
-training loop does, then clears it. megatron-core does not track how many tokens each expert receives (only
+training loop does, then clears it, all on the device (compat/moe.py moe_tracked_means: upstream's report also
+formats a log string, which reads every value on the host). megatron-core does not track how many tokens each expert receives (only
 its expert-bias router keeps a count); a forward hook on each router adds that.
 """
 from __future__ import annotations
@@ -18,6 +19,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.router import Router
 
+from megatron_patch.compat.moe import moe_tracked_means
 from megatron_patch.config import Config
 from megatron_patch.parallel import current_device
 
@@ -53,21 +55,19 @@ class MoEMetrics:
             self.counts[router.layer_number - 1] += routing_map.sum(dim=0)
 
     def report(self, num_microbatches: int, iteration: int) -> Dict[str, object]:
-        """This step's metrics, identical on every rank; clears the counts and megatron-core's tracker.
+        """This step's metrics, identical on every rank, as tensors on the device (the training loop reads them
+        with the step's other metrics, once the next step is queued: no host wait here); clears the counts and
+        megatron-core's tracker.
 
         moe_<name>: the mean over MoE layers of each tracked auxiliary loss (without its coefficient),
         averaged over micro batches and data-parallel ranks; moe_tokens_per_expert: [layer][expert] tokens
         routed in this global batch (all micro batches and DP ranks; dense layers omitted);
         moe_max_load: the busiest expert's share over the mean share, the worst MoE layer (1 = balanced)."""
         cfg = self.cfg
-        totals: Dict[str, torch.Tensor] = {}
         names = _tracked_names(cfg)
-        if names:
-            get_moe_metrics_tracker().report(
-                loss_scale=1 / num_microbatches, iteration=iteration, per_layer_logging=False,
-                force_initialize=True, track_names=names, num_layers=cfg.num_layers,
-                moe_layer_freq=cfg.moe_layer_freq, total_loss_dict=totals)
-        out: Dict[str, object] = {f"moe_{k}": float(v) for k, v in totals.items()}
+        totals = moe_tracked_means(get_moe_metrics_tracker(), names, 1 / num_microbatches, cfg.num_layers,
+                                   cfg.moe_layer_freq) if names else {}
+        out: Dict[str, object] = {f"moe_{k}": v for k, v in totals.items()}
         counts = self.counts
         if not cfg.sequence_parallel and mpu.get_tensor_model_parallel_rank() != 0:
             counts = torch.zeros_like(counts)  # without sequence parallelism every TP rank routes the same tokens
@@ -75,9 +75,9 @@ class MoEMetrics:
         counts = counts.clone()
         dist.all_reduce(counts)
         per_layer = counts[cfg.moe_layers()]
-        out["moe_tokens_per_expert"] = [[int(x) for x in row] for row in per_layer.tolist()]
+        out["moe_tokens_per_expert"] = per_layer
         mean = per_layer.double().mean(dim=1).clamp(min=1)
-        out["moe_max_load"] = float((per_layer.max(dim=1).values / mean).max())
+        out["moe_max_load"] = (per_layer.max(dim=1).values / mean).max()
         self.counts.zero_()
         return out
 

@@ -106,11 +106,15 @@ def mean_losses(losses: List[Dict[str, torch.Tensor]], keys: Sequence[str] = ("l
 
 
 def materialize(metrics: Dict) -> Dict:
-    """`metrics` with every tensor value replaced by its float (one transfer from the device for all), in place."""
-    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor)]
+    """`metrics` with every tensor value replaced by its float (one transfer from the device for all scalars), or
+    by its nested list for a tensor of several values (integer tensors: ints), in place."""
+    keys = [k for k, v in metrics.items() if isinstance(v, torch.Tensor) and v.numel() == 1]
     if keys:
         values = torch.stack([metrics[k].detach().float().reshape(()) for k in keys]).tolist()
         metrics.update(zip(keys, values))
+    for k, v in metrics.items():
+        if isinstance(v, torch.Tensor):
+            metrics[k] = v.detach().tolist()
     return metrics
 
 
