@@ -107,14 +107,14 @@ def route_experts_through(chunks: Iterable[torch.nn.Module], make_forward: Calla
     returns how many."""
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    count = 0
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, SequentialMLP):
-                module.forward = make_forward(module)
-                count += 1
-    return count
+    modules = _modules_of(chunks, SequentialMLP)
+    for module in modules:
+        module.forward = make_forward(module)
+    return len(modules)
 
+
+def _modules_of(chunks: Iterable[torch.nn.Module], cls: type) -> List[torch.nn.Module]:
+    return [m for chunk in chunks for m in chunk.modules() if isinstance(m, cls)]
 
 
 @register(upstream=("megatron/core/transformer/moe/moe_layer.py:MoELayer.preprocess",
@@ -135,13 +135,11 @@ def use_token_dispatcher(chunks: Iterable[torch.nn.Module], make: Callable[[torc
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
     count = 0
-    for chunk in chunks:
-        for module in chunk.modules():
-            if isinstance(module, MoELayer):
-                new = make(module)
-                if new is not None:
-                    module.token_dispatcher = new
-                    count += 1
+    for layer in _modules_of(chunks, MoELayer):
+        new = make(layer)
+        if new is not None:
+            layer.token_dispatcher = new
+            count += 1
     return count
 
 
