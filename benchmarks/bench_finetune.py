@@ -3,6 +3,7 @@
     python benchmarks/bench_finetune.py                 # BERT-base, batch 32, 30 warm-up + 100 timed steps
     python benchmarks/bench_finetune.py --tiny          # 2 layers, hidden 64, a few steps (CPU smoke test)
     python benchmarks/bench_finetune.py --arms trainer,rf --out /tmp/bf
+    python benchmarks/bench_finetune.py --tiny --arms rf,rf_packed   # CPU: padding-free trains with rf's losses
 
 Model: `BertForSequenceClassification(BertConfig())` (12 layers, hidden 768, vocab 30522, 2 labels), random
 weights from --seed, SDPA attention. Data: --batch x (all steps) samples of random token ids, a sentence pair
@@ -21,6 +22,16 @@ bf16 autocast over fp32 weights, DataLoader in the main process (--num-workers):
     trainer_graphs     the Trainer given the same: torch_compile_mode="reduce-overhead", batches padded to a
                        multiple of 64 (a setting the Trainer offers; not among the issue's "best settings")
     rf_ckpt            --bf16 --checkpoint-activations
+    rf_packed          --bf16 --torch-compile-mode reduce-overhead --padding-free: each batch's samples concatenated
+                       into one row of tokens padded to a multiple of 256 (--packed-multiple), positions restarting
+                       per sample, attention within each sample (flash varlen kernels with the layer's dropout),
+                       the model's own pooler/classifier/loss; CUDA graphs per token budget (about 10 here)
+    rf_packed_eager    --bf16 --padding-free (the packing alone, eager)
+The packed arms wrap the same padding collator (the samples, batches and order are the others'); their tokens/s
+and TFLOP/s count the tokens of the packed rows (filler included) and attention over each sample alone, so they
+compare with the padded arms' counts of padded work. The table's last lines compare each packed arm's per-step
+losses with rf's (equal up to rounding with --tiny, which turns dropout off; with dropout on both draw other
+random masks).
 Every arm's clock runs from the start of forward step --warmup to the start of forward step --warmup + --steps
 (torch.cuda.synchronize at both ends, and once in the middle: the table's two halves show an arm still
 warming up), so the window holds --steps whole steps: forward, backward, clip, optimizer, scheduler, the
@@ -47,9 +58,13 @@ import time
 from typing import Dict, List, Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALL_ARMS = ["trainer", "rf", "trainer_compile", "rf_compile", "rf_graphs", "trainer_graphs", "rf_ckpt"]
+ALL_ARMS = ["trainer", "rf", "trainer_compile", "rf_compile", "rf_graphs", "trainer_graphs", "rf_ckpt", "rf_packed",
+            "rf_packed_eager"]
 RF_FLAGS = {"rf": [], "rf_compile": ["--torch-compile"], "rf_ckpt": ["--checkpoint-activations"],
-            "rf_graphs": ["--torch-compile-mode", "reduce-overhead"]}
+            "rf_graphs": ["--torch-compile-mode", "reduce-overhead"],
+            "rf_packed": ["--torch-compile-mode", "reduce-overhead", "--padding-free"],
+            "rf_packed_eager": ["--padding-free"]}
+PACKED = ("rf_packed", "rf_packed_eager")
 GRAPH_PAD = 64  # the *_graphs arms pad batches to a multiple of this (rapidformer's default for CUDA graphs)
 PROFILED = ("trainer", "rf")
 CLS, SEP, PAD = 101, 102, 0
@@ -58,7 +73,12 @@ CLS, SEP, PAD = 101, 102, 0
 def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tiny", action="store_true",
-                   help="2 layers, hidden 64, 4 heads, lengths up to 64, 5+10 steps (smoke test)")
+                   help="2 layers, hidden 64, 4 heads, lengths up to 64, 5+10 steps, no dropout (smoke test)")
+    p.add_argument("--no-dropout", dest="dropout", action="store_false",
+                   help="hidden and attention dropout 0 (then the packed arms' losses equal rf's)")
+    p.add_argument("--packed-multiple", type=int, default=None,
+                   help="the packed arms' token budgets: rows padded to a multiple of N tokens (--pad-to-multiple-of; "
+                        "default rapidformer's: 256 under CUDA graphs, 64 eager)")
     p.add_argument("--arms", default=",".join(ALL_ARMS), help=f"comma list of {ALL_ARMS}")
     p.add_argument("--warmup", type=int, default=30, help="untimed steps (compilation happens here)")
     p.add_argument("--steps", type=int, default=100, help="timed steps")
@@ -81,6 +101,7 @@ def parse(argv: Optional[List[str]] = None) -> argparse.Namespace:
     if a.tiny:
         a.warmup, a.steps, a.profile_steps = min(a.warmup, 5), min(a.steps, 10), min(a.profile_steps, 3)
         a.max_len = min(a.max_len, 64)
+        a.dropout = False
     a.total_steps = a.warmup + a.steps + a.profile_steps + 1  # +1: the clock stops at the start of a step
     a.samples = a.total_steps * a.batch                          # one epoch, no sample seen twice
     return a
@@ -91,6 +112,8 @@ def model_config(a):
     from transformers import BertConfig
 
     kw = dict(num_labels=2, attn_implementation="sdpa")
+    if not a.dropout:
+        kw.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     if a.tiny:
         kw.update(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=256)
     return BertConfig(**kw)
@@ -172,7 +195,9 @@ class Clock:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def tick(self, seq_len: int) -> None:
+    def tick(self, batch: Dict) -> None:
+        """At the start of each forward step: the batch's tokens and attention pairs (padded: samples x length and
+        samples x length^2; packed: the row's tokens and the sum of its segments' squared lengths)."""
         import torch
 
         a, k = self.a, self.k
@@ -200,7 +225,7 @@ class Clock:
             self.sync()
             self.prof_wall = time.perf_counter() - self.p0
             self.prof.__exit__(None, None, None)
-        self.seq.append(seq_len)
+        self.seq.append(work(batch))
         self.k += 1
 
     def result(self, arm: str, model, collator: PadCollator, extra: Dict) -> Dict:
@@ -211,8 +236,8 @@ class Clock:
         L, h, ffn = cfg.num_hidden_layers, cfg.hidden_size, cfg.intermediate_size
         n_lin = L * (4 * h * h + 2 * h * ffn)
         timed = self.seq[a.warmup:a.warmup + a.steps]
-        tokens = sum(a.batch * s for s in timed)
-        flops = sum(a.batch * s * (6 * n_lin + 12 * L * h * s) for s in timed)
+        tokens = sum(t for t, _ in timed)
+        flops = sum(6 * n_lin * t + 12 * L * h * pairs for t, pairs in timed)
         dt = self.t1 - self.t0
         losses = torch.stack([x.float() for x in self.losses[:a.warmup + a.steps]]).cpu().tolist()
         half = a.steps // 2
@@ -224,10 +249,21 @@ class Clock:
              "final_loss": sum(losses[-10:]) / len(losses[-10:]), "first_loss": losses[0],
              "warmup_s": self.t0 - self.t_start, "graphs_compiled_in_window": self.graphs_in_window,
              "graphs_compiled": compiled_graphs(), "batch_lengths": collator.lengths[:a.total_steps],
+             "losses": losses,
              "params": sum(p.numel() for p in model.parameters()), **extra}
         if self.prof is not None:
             r["profile"] = summarize_profile(self.prof, a.profile_steps, self.prof_wall)
         return r
+
+
+def work(batch: Dict):
+    """(tokens, attention pairs) a batch computes: padded [samples, length]; packed one row of segments."""
+    ids = batch["input_ids"]
+    if "cu_seq_lens" in batch:
+        lengths = (batch["cu_seq_lens"][1:] - batch["cu_seq_lens"][:-1]).long()
+        return int(ids.numel()), int((lengths * lengths).sum())
+    n, length = ids.shape
+    return n * length, n * length * length
 
 
 def compiled_graphs() -> int:
@@ -316,7 +352,7 @@ def run_trainer(a, arm: str) -> Dict:
 
     class TimedTrainer(Trainer):
         def training_step(self, model, inputs, num_items_in_batch=None, *args, **kw):
-            clock.tick(int(inputs["input_ids"].shape[1]))
+            clock.tick(inputs)
             loss = super().training_step(model, inputs, num_items_in_batch, *args, **kw)
             clock.losses.append(loss.detach().clone())  # a CUDA graph's output is overwritten by its next replay
             return loss
@@ -356,7 +392,8 @@ def run_rapidformer(a, arm: str) -> Dict:
     argv = ["--user-script", os.path.abspath(__file__), "--micro-batch-size", str(a.batch),
             "--train-iters", str(a.total_steps), "--lr", str(a.lr), "--seed", str(a.seed - 1),
             "--log-interval", "50", "--num-workers", str(a.num_workers), "--weight-decay", "0.01",
-            "--clip-grad", "1.0", "--lr-decay-style", "linear", *(["--bf16"] if a.bf16 else []), *RF_FLAGS[arm]]
+            "--clip-grad", "1.0", "--lr-decay-style", "linear", *(["--bf16"] if a.bf16 else []), *RF_FLAGS[arm],
+            *(["--pad-to-multiple-of", str(a.packed_multiple)] if arm in PACKED and a.packed_multiple else [])]
     args = check(parse_args(argv), world_size=1)
     set_args(args)
     engine = RapidformerEngine(args)
@@ -376,7 +413,7 @@ def run_rapidformer(a, arm: str) -> Dict:
             return holder["model"], None, None
 
         def run_forward_step(self, batch, model):
-            clock.tick(int(batch["input_ids"].shape[1]))
+            clock.tick(batch)
             loss = model(**batch).loss
             clock.losses.append(loss.detach().clone())  # a CUDA graph's output is overwritten by its next replay
             return loss
@@ -403,6 +440,7 @@ def child(a) -> int:
         json.dump(r, f, indent=1)
     prof = r.pop("profile", None)
     r.pop("batch_lengths")
+    r.pop("losses")
     print("RESULT", json.dumps(r))
     if prof:
         print_profile(a.arm, prof)
@@ -516,10 +554,17 @@ def table(a, results: Dict[str, Dict]) -> str:
     if "rf_graphs" in ok and "trainer_graphs" in ok:
         lines.append(f"\nwith the same CUDA-graph setting on both sides: rf_graphs / trainer_graphs = "
                      f"{ok['rf_graphs']['samples_per_s'] / ok['trainer_graphs']['samples_per_s']:.2f}x")
+    for arm in PACKED:
+        if arm in ok and "rf" in ok:
+            mine, ref_losses = ok[arm]["losses"], ok["rf"]["losses"]
+            diff = max(abs(x - y) for x, y in zip(mine, ref_losses))
+            lines.append(f"\n{arm} vs rf, per-step losses of the {len(mine)} steps: max |difference| {diff:.2e} "
+                         f"({'dropout off: equal up to rounding' if not a.dropout else 'dropout on: other masks'})")
     if ok:
         lens = [r["mean_padded_len"] for r in ok.values()]
-        lines.append(f"\nmean padded length of the timed batches: {min(lens):.1f}-{max(lens):.1f}; TFLOP/s counts "
-                     f"padded tokens x (6 x encoder linear weights + 12 x L x h x s)")
+        lines.append(f"\nmean padded length of the timed batches: {min(lens):.1f}-{max(lens):.1f} tokens per sample "
+                     f"(packed arms: row tokens / samples); TFLOP/s counts the computed tokens x 6 x encoder linear "
+                     f"weights + 12 x L x h x attention pairs (padded: s^2 per sample; packed: each segment's)")
     return "\n".join(lines)
 
 

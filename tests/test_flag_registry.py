@@ -31,7 +31,7 @@ RAPIDFORMER_DEFAULTS = {
     'zero_1_memory_optimization': False, 'zero_2_memory_optimization': False, 'zero_3_memory_optimization': False,
     'oss_memory_optimization': False, 'oss_sdp_memory_optimization': False, 'fsdp_memory_optimization': False,
     'cpu_offload': False, 'checkpoint_activations': False, 'optimizers': 'apex_adam', 'torch_compile': False,
-    'torch_compile_mode': None, 'onnx_runtime_training': False, 'tensor_model_parallel_size': 1,
+    'torch_compile_mode': None, 'onnx_runtime_training': False, 'padding_free': False, 'tensor_model_parallel_size': 1,
     'pipeline_model_parallel_size': 1, 'num_layers_per_virtual_pipeline_stage': None,
     # issue 30: LoRA through peft (off by default)
     'lora_rank': 0, 'lora_alpha': 32.0, 'lora_dropout': 0.0,

@@ -6,6 +6,7 @@
 One module per switch, each a short function of the model (and the config), built on torch.distributed
 (DDP, FSDP2 `fully_shard`, ZeroRedundancyOptimizer) and torch (checkpointing, torch.compile, autocast):
 
+    padding_free.py              --padding-free (packed rows: the model's forward and attention function)
     lora.py                      --lora-rank (peft's LoRA adapters; the rest frozen)
     activation_checkpointing.py  --checkpoint-activations
     onnx_runtime.py              --onnx-runtime-training (ORTModule; optional extra, see compat/onnx_runtime.py)
@@ -18,7 +19,10 @@ One module per switch, each a short function of the model (and the config), buil
 
 The order `accelerate` applies them in, and why
 ------------------------------------------------
-0. LoRA (peft)                wraps the plain model first: every later switch and the optimizer see the PeftModel,
+0. padding-free               the Hugging Face model's forward also takes packed rows (its attention function is
+                              swapped for one that attends within each sample); first, because it needs the model
+                              itself: LoRA's PeftModel calls this forward, and every wrapper below calls the model.
+   LoRA (peft)                wraps the plain model first: every later switch and the optimizer see the PeftModel,
                               whose trainable parameters are the adapters (and a task head); a given optimizer is
                               rebuilt over them with its class and defaults.
 1. activation checkpointing   marks the layers to recompute; it must see the plain Hugging Face model, and
@@ -101,7 +105,11 @@ def accelerate(model: torch.nn.Module, args, device: torch.device,
                          "checkpoint), but the memory switches rebuild it over new parameters and would drop it; "
                          "pass a fresh optimizer and load its state into the one accelerate() returns")
     applied: List[str] = []
-    # 0. LoRA
+    # 0. padding-free, then LoRA
+    if getattr(args, "padding_free", False):
+        from .padding_free import apply_padding_free
+
+        applied.append(apply_padding_free(model))
     if lora:
         from .lora import apply_lora
 

@@ -92,6 +92,10 @@ def check_combination(args: argparse.Namespace) -> None:
                     f"ONNX Runtime would train stale or sharded weights; use --zero-1-memory-optimization (optimizer "
                     f"state sharding works with ORTModule under DDP), or --torch-compile instead of "
                     f"--onnx-runtime-training")
+        if getattr(args, "padding_free", False):
+            problems.append("--onnx-runtime-training cannot run with --padding-free: ORTModule exports the model's "
+                            "padded forward once, while packed rows go through a replaced forward and attention "
+                            "function with a shape per token budget; pass only one of them")
         if not ort_available():
             problems.append(f"--onnx-runtime-training needs ONNX Runtime's training package, which is not installed: "
                             f"`{PIP_ORT}` (CPU only; the last release, and the only one for Python 3.12), or use "

@@ -8,7 +8,7 @@ from typing import List, Optional
 from megatron_patch.config.rapidformer_flags import UsageError, parse_args
 
 from .launch import nodes, run_workers, workers_per_node
-from .preflight import check_data, check_model, check_shapes, offline
+from .preflight import check_data, check_model, check_padding_free, check_shapes, offline
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -27,6 +27,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         nproc = workers_per_node(args.nproc_per_node)
         check(args, world_size=nproc * nodes())
         check_shapes(args)
+        check_padding_free(args)
     except (UsageError, ValueError) as e:  # FinetuneDataError and the data checks' DataError are ValueErrors
         print(f"rapidformer: error: {e}", file=sys.stderr)
         return 2

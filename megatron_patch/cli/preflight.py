@@ -115,3 +115,17 @@ def check_shapes(args: argparse.Namespace) -> None:
         found = ", ".join(f"{name} {value if value is not None else '(none)'}" for name, value, _ in bad.values())
         raise UsageError(f"{flags}: fine-tuning trains the model in {args.load} as it is ({found} in its "
                          "config); the shape flags cannot change it: drop them")
+
+
+def check_padding_free(args: argparse.Namespace) -> None:
+    """--padding-free in black-box fine-tuning: the model directory's config must be a family the packed forward
+    runs (accelerations/padding_free.py); a script's model is checked where the Finetuner builds it."""
+    if not getattr(args, "padding_free", False) or args.user_script or args.task not in FINETUNE_TASKS:
+        return
+    from transformers import AutoConfig
+
+    from megatron_patch.accelerations.padding_free import config_refusal
+
+    problem = config_refusal(AutoConfig.from_pretrained(args.load))
+    if problem:
+        raise UsageError(f"{problem} (the model in {args.load})")

@@ -76,6 +76,8 @@ Called at their call sites (not applied globally):
   linear.py        route_linears_through (--gradient-accumulation-fusion: models/wgrad_fusion.py, and --fp8-format:
                    models/float8.py, built chunks)
                    count_linears_without_collective (its log: which linears the fused path takes)
+  flash_varlen.py  flash_varlen_attention (torch's varlen flash kernels with attention dropout: --padding-free,
+                   accelerations/padding_free.py)
   float8.py        torchao_float8 (torchao's private float8 matmul and casts, pinned: models/float8.py)
   moe.py           route_experts_through (--moe-grouped-gemm: models/grouped_experts.py, built chunks)
                    use_token_dispatcher (the device dispatcher at EP 1: models/moe_dispatch.py)
@@ -123,8 +125,8 @@ import os
 
 import torch
 
-from . import (adam_state, checkpoint_writer, cpu_backend, dynamo, float8, linear, megatron_fsdp, moe,  # noqa: F401  (registers patches)
-               mla, multi_tensor, onnx_runtime, optimizer, post_layernorm, rope, safe_loading)
+from . import (adam_state, checkpoint_writer, cpu_backend, dynamo, flash_varlen, float8, linear, megatron_fsdp,  # noqa: F401  (registers patches)
+               moe, mla, multi_tensor, onnx_runtime, optimizer, post_layernorm, rope, safe_loading)
 from .quiet import quiet_known_noise
 from .registry import PATCHES, Patch
 from .versions import TESTED, UntestedVersionWarning, check_versions

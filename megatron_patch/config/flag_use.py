@@ -117,6 +117,7 @@ optimizers                             acts       acts       acts       acts    
 torch_compile                          acts       acts       acts       acts       acts
 torch_compile_mode                     acts       acts       acts       acts       acts
 onnx_runtime_training                  acts       acts       acts       acts       no
+padding_free                           acts       acts       no         no         no
 tensor_model_parallel_size             no         no         no         no         acts
 pipeline_model_parallel_size           no         no         no         no         acts
 num_layers_per_virtual_pipeline_stage  no         no         no         no         acts
@@ -195,6 +196,9 @@ PURPOSE: Dict[str, str] = {
                                    "--zero-2-memory-optimization",
     "fsdp_memory_optimization": "FSDP for Hugging Face models; a Megatron model is sharded with "
                                 "--zero-2-memory-optimization",
+    "padding_free": "fine-tuning a Hugging Face encoder on packed rows of samples (--task sequence_classification "
+                    "or token_classification, or a Finetuner script); pretraining packs its own way (GPT samples are "
+                    "packed, --data-iterator dynamic-shape cuts BERT batches to their longest sample)",
     "onnx_runtime_training": "ONNX Runtime's ORTModule for Hugging Face/PyTorch models; a Megatron model uses "
                              "--torch-compile",
     "tensor_model_parallel_size": "tensor and pipeline parallelism are for Megatron models (a PreTrainer script "

@@ -523,6 +523,12 @@ FLAGS: Tuple[Flag, ...] = (
            "kernels over the logits: one read forward, the gradient written over the logits; needs a GPU, or "
            "TRITON_INTERPRET=1 on the CPU)", choices=("native", "te", "linear", "triton")),
         _f("--onnx-runtime-training", STORE_TRUE, FRONT, "train through ONNX Runtime's ORTModule (optional extra)"),
+        _f("--padding-free", STORE_TRUE, FRONT, "fine-tuning a BERT-family encoder (--task sequence_classification or "
+           "token_classification, or a Finetuner script with such a model): each training micro batch's samples are "
+           "concatenated into one row of tokens, padded only to a multiple of --pad-to-multiple-of (default 64; 256 "
+           "with --torch-compile-mode reduce-overhead: one CUDA graph per token budget), positions restart per sample "
+           "and attention stays within each sample (flash kernels on variable-length sequences); the same samples, "
+           "order and loss as the padded run; evaluation stays padded"),
     ),
 )
 

@@ -65,6 +65,10 @@ class RapidformerEngine:
                      "`megatron_patch.accelerations.mark_step()` before each forward, `.clone()` any output you "
                      "keep past the next step (its memory is reused), and pad batches to a few lengths "
                      "(each new shape records a new graph)")
+        if getattr(self.args, "padding_free", False):
+            log.info("compose(): --padding-free: the model also takes packed rows; give your training loader "
+                     "megatron_patch.data.flatten.FlattenCollator(your_padding_collate, multiple, "
+                     "model.config.max_position_embeddings) and evaluate on padded batches")
         if lr_scheduler_fn is not None:
             scheduler = lr_scheduler_fn(acc.optimizer)
         else:

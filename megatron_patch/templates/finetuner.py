@@ -9,6 +9,8 @@ Hooks (the how-to's white-box section):
 `train()` applies the acceleration switches, runs the epochs (or --train-iters steps) with gradient
 accumulation on the torch loop (`torch_loop.py`: epochs are its stop rule), evaluates after every epoch (and every
 --eval-interval steps when that flag is given), reports, and saves with `save_pretrained` to --save. Flags a fine-tuning run does not use are refused (config/flag_use.py).
+With --padding-free the training batches the collate function pads are packed into one row each (data/flatten.py)
+and the model takes them (accelerations/padding_free.py); evaluation batches stay padded.
 """
 from __future__ import annotations
 
@@ -78,6 +80,20 @@ class Finetuner:
             self.tokenizer = AutoTokenizer.from_pretrained(self.args.pretrained_model_name_or_path)
         return DataCollatorWithPadding(self.tokenizer, pad_to_multiple_of=self.args.pad_to_multiple_of)
 
+    def _packing(self, collate_fn: Optional[Callable], model: torch.nn.Module) -> Callable:
+        """--padding-free: training batches as one packed row each (data/flatten.py), from the batches `collate_fn`
+        (or the default collate) pads; evaluation keeps the padded batches."""
+        from megatron_patch.data.flatten import FlattenCollator
+
+        inner = getattr(model, "module", model)  # DDP's wrapped module; FSDP2 and torch.compile keep the model
+        config = getattr(inner, "config", None)
+        positions = getattr(config, "max_position_embeddings", None)
+        if positions is None:
+            raise ValueError("--padding-free: the model has no config.max_position_embeddings (a Hugging Face "
+                             "encoder's), which bounds each sample's length; drop --padding-free")
+        multiple = getattr(self.args, "packed_row_multiple", None) or self.args.pad_to_multiple_of or 64
+        return FlattenCollator(collate_fn or self._default_collate(), multiple, positions)
+
     # ---- the loop ---------------------------------------------------------------------------------------
     def _accelerate(self):
         model, optimizer, scheduler = self.model_optimizer_lr_scheduler_provider()
@@ -109,7 +125,8 @@ class Finetuner:
         model, optimizer, self.precision = acc.model, acc.optimizer, acc.precision
         self.engine.precision = acc.precision
         self.model = model
-        train_loader = self.build_data_loader(train_ds, shuffle=True, collate_fn=collate_fn, drop_last=False)
+        train_collate = self._packing(collate_fn, model) if getattr(args, "padding_free", False) else collate_fn
+        train_loader = self.build_data_loader(train_ds, shuffle=True, collate_fn=train_collate, drop_last=False)
         eval_collate = getattr(self, "eval_collate_fn", None) or collate_fn
         valid_loader = self.build_data_loader(valid_ds, collate_fn=eval_collate) if valid_ds is not None else None
         data = EpochBatches(train_loader, args.grad_accumulation, self.engine.world_size)

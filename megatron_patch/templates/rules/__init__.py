@@ -26,6 +26,11 @@ DEFAULT_EPOCHS = 3
 DEFAULT_LR = 5e-5
 DEFAULT_MICRO_BATCH = 8
 DEFAULT_GRAPH_PAD = 64  # tokens: lengths 1-512 give at most 8 batch shapes, so 8 CUDA graphs
+# --padding-free's packed rows: a micro batch of 32 BERT samples (about 4,400 tokens, +-400) spans about 10 budgets
+# of 256 tokens (one CUDA graph each) at a cost of 128 filler tokens (3%) on average; eager runs take finer steps
+DEFAULT_PACKED_ROW = 64
+DEFAULT_PACKED_ROW_GRAPHS = 256
+PADDING_FREE_TASKS = ("sequence_classification", "token_classification")
 
 
 def _note(args: argparse.Namespace, text: str) -> None:
@@ -49,6 +54,7 @@ def resolve_front(args: argparse.Namespace, world_size: int) -> argparse.Namespa
         _note(args, f"--save not given: the model and tokenizer are saved to {args.save}")
     _resolve_schedule(args, world_size)
     _resolve_compile(args)
+    _resolve_padding_free(args)
     if args.metrics_file is None and args.save:
         args.metrics_file = os.path.join(args.save, "metrics.jsonl")
     if args.tensorboard_dir is None and args.save:
@@ -101,6 +107,26 @@ def _resolve_compile(args: argparse.Namespace) -> None:
         args.pad_to_multiple_of = DEFAULT_GRAPH_PAD
         _note(args, f"--torch-compile-mode {args.torch_compile_mode} records a CUDA graph per batch shape: batches "
                     f"are padded to a multiple of {DEFAULT_GRAPH_PAD} tokens (--pad-to-multiple-of to change)")
+
+
+def _resolve_padding_free(args: argparse.Namespace) -> None:
+    """--padding-free: the multiple of tokens each packed training row is padded to (`args.packed_row_multiple`):
+    --pad-to-multiple-of when given (evaluation batches, which stay padded, take it too), else 64, or 256 under
+    CUDA graphs (evaluation batches keep the graphs' 64)."""
+    from megatron_patch.accelerations.compile import uses_cuda_graphs
+    from megatron_patch.config.rapidformer_flags import given_flags
+
+    if not getattr(args, "padding_free", False):
+        return
+    if "pad_to_multiple_of" in given_flags(args) and args.pad_to_multiple_of is not None:
+        args.packed_row_multiple = args.pad_to_multiple_of
+        return
+    graphs = uses_cuda_graphs(args)
+    args.packed_row_multiple = DEFAULT_PACKED_ROW_GRAPHS if graphs else DEFAULT_PACKED_ROW
+    _note(args, f"--padding-free: each training micro batch is one row of tokens padded to a multiple of "
+                f"{args.packed_row_multiple}" + (f" (one CUDA graph per such token budget under --torch-compile-mode "
+                                                 f"{args.torch_compile_mode})" if graphs else "")
+                + " (--pad-to-multiple-of to change)")
 
 
 # ---- the rules, in the order they speak
@@ -199,6 +225,15 @@ def blackbox_pretraining_settings(args: argparse.Namespace, world_size: int) -> 
         engine_config(args, accelerations=False).validate(world_size)
     except ConfigError as e:
         return str(e)
+
+
+@front_rule("accelerations")
+def padding_free_task(args: argparse.Namespace, world_size: int) -> Optional[str]:
+    if not getattr(args, "padding_free", False) or args.task not in FINETUNE_TASKS or args.task in PADDING_FREE_TASKS:
+        return None  # pretraining: refused as a fine-tuning flag (flag_use); a script without --task: its template
+    return (f"--padding-free with --task {args.task}: packed rows have adapters for "
+            f"{' and '.join(PADDING_FREE_TASKS)} (a BERT-family encoder's per-sample or per-token loss); "
+            f"{args.task} trains on padded batches: drop --padding-free")
 
 
 @front_rule("accelerations")

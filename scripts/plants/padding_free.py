@@ -1,0 +1,86 @@
+"""Plants for padding-free fine-tuning (issue 31, item 5): each breaks one property of the packed rows or their
+forward; the listed default-lane tests must fail."""
+PF = "tests/test_padding_free.py"
+SEQ = f"{PF}::test_sequence_classification_packed_equals_padded"
+TOK = f"{PF}::test_token_classification_packed_equals_padded"
+LAYOUT = f"{PF}::test_flatten_layout"
+WHITE = f"{PF}::test_finetuner_trains_like_padded[plain]"
+BLACK = f"{PF}::test_blackbox_sequence_classification_trains_like_padded"
+REFUSED = f"{PF}::test_refused_where_it_cannot_act"
+
+PLANTS = [
+    # ---- the collator
+    dict(name="positions-do-not-restart", file="megatron_patch/data/flatten.py",
+         original="    within = torch.arange(total) - torch.repeat_interleave(starts, lengths)",
+         replacement="    within = torch.arange(total)",
+         property="positions restart at 0 for every sample of a packed row",
+         tests=[LAYOUT, SEQ]),
+    dict(name="token-types-dropped", file="megatron_patch/data/flatten.py",
+         original='        out["token_type_ids"] = row(batch["token_type_ids"], 0)',
+         replacement="        pass",
+         property="each token keeps its token type (the second sentence of a pair is type 1)",
+         tests=[LAYOUT, SEQ]),
+    dict(name="filler-tokens-labelled", file="megatron_patch/data/flatten.py",
+         original='            out["labels"] = row(labels, IGNORE_INDEX)',
+         replacement='            out["labels"] = row(labels, 0)',
+         property="the filler up to the token budget carries no loss (per-token labels -100)",
+         tests=[LAYOUT, TOK]),
+    dict(name="left-padding-accepted", file="megatron_patch/data/flatten.py",
+         original="    if mask.shape[1] > 1 and bool((mask[:, 1:] & ~mask[:, :-1]).any()):",
+         replacement="    if False:",
+         property="a batch padded on the left is refused in words (its tokens would be packed out of order)",
+         tests=[f"{PF}::test_flatten_refuses_what_it_cannot_pack"]),
+    dict(name="samples-counted-by-the-row", file="megatron_patch/data/flatten.py",
+         original='    out: Dict[str, Any] = {"sample_starts": starts.to(torch.long), "input_ids": row(ids, 0)}',
+         replacement='    out: Dict[str, Any] = {"input_ids": row(ids, 0), "sample_starts": starts.to(torch.long)}',
+         property="a packed batch's first entry is per sample, so the loop counts its samples",
+         tests=[LAYOUT, WHITE]),
+    # ---- the forward and the attention
+    dict(name="attention-across-samples", file="megatron_patch/accelerations/padding_free.py",
+         original="    mask = segment[:, None] == segment[None, :]",
+         replacement="    mask = segment[:, None] >= 0",
+         property="each token attends within its own sample of the packed row",
+         tests=[SEQ, TOK]),
+    dict(name="cls-row-off-by-one", file="megatron_patch/accelerations/padding_free.py",
+         original='    first = hidden[0].index_select(0, batch["sample_starts"])',
+         replacement='    first = hidden[0].index_select(0, batch["sample_starts"] + 1)',
+         property="sequence classification pools each sample's first ([CLS]) row",
+         tests=[SEQ, WHITE]),
+    dict(name="loss-summed-over-samples", file="megatron_patch/accelerations/padding_free.py",
+         original="    return F.cross_entropy(logits.reshape(-1, num_labels).float(), labels.reshape(-1))",
+         replacement='    return F.cross_entropy(logits.reshape(-1, num_labels).float(), labels.reshape(-1), reduction="sum")',
+         property="the loss is the model's: cross entropy averaged over the samples (labelled tokens)",
+         tests=[SEQ, TOK]),
+    dict(name="no-attention-dropout", file="megatron_patch/accelerations/padding_free.py",
+         original="    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, dropout_p=dropout, scale=scaling)",
+         replacement="    out = F.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)",
+         property="the packed forward applies the layer's attention dropout in training",
+         tests=[f"{PF}::test_packed_forward_applies_attention_dropout"]),
+    dict(name="padded-path-loses-its-mask", file="megatron_patch/accelerations/padding_free.py",
+         original="    AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[original])",
+         replacement="    pass",
+         property="padded batches (evaluation) through a padding-free model keep the padding mask",
+         tests=[SEQ, WHITE]),
+    dict(name="train-loader-not-packed", file="megatron_patch/templates/finetuner.py",
+         original='        train_collate = self._packing(collate_fn, model) if getattr(args, "padding_free", False) '
+                  'else collate_fn',
+         replacement="        train_collate = collate_fn",
+         property="--padding-free packs the Finetuner's training batches (the forward gets packed rows)",
+         tests=[WHITE]),
+    # ---- refusals
+    dict(name="other-task-accepted", file="megatron_patch/templates/rules/__init__.py",
+         original="or args.task in PADDING_FREE_TASKS:",
+         replacement="or True:",
+         property="--padding-free with a task it has no adapter for is refused before any worker starts",
+         tests=[REFUSED]),
+    dict(name="other-family-accepted", file="megatron_patch/cli/preflight.py",
+         original="    problem = config_refusal(AutoConfig.from_pretrained(args.load))",
+         replacement="    problem = None",
+         property="a black-box run whose model directory is not a BERT-family encoder is refused in one line",
+         tests=[REFUSED]),
+    dict(name="onnx-runtime-accepted", file="megatron_patch/accelerations/combinations.py",
+         original='        if getattr(args, "padding_free", False):\n            problems.append("--onnx-runtime-training',
+         replacement='        if False:\n            problems.append("--onnx-runtime-training',
+         property="--onnx-runtime-training with --padding-free is refused",
+         tests=[REFUSED]),
+]
