@@ -99,7 +99,7 @@ def mean_losses(losses: List[Dict[str, torch.Tensor]], keys: Sequence[str] = ("l
             t[:-1], t[-1] = sums[:, 0], sums[0, 1]
         else:
             t[:-1] = torch.stack([torch.stack([x[key].float().reshape(()) for x in losses]).sum() for key in keys])
-            t[-1] = len(losses)
+            t[-1:].fill_(len(losses))  # a fill kernel (assigning a Python number copies it from the host: a wait)
     dist.all_reduce(t)
     means = torch.where(t[-1] > 0, t[:-1] / t[-1].clamp(min=1), torch.full_like(t[:-1], float("nan")))
     return {key: means[i] for i, key in enumerate(keys)}
