@@ -229,8 +229,10 @@ def test_kernel_compiles_for_the_gpu(grad, monkeypatch, tmp_path):
     for aligned in (True, False):
         signature = {"table_ptr": "*i64", "block_tensor_ptr": "*i32", "corr_ptr": "*fp64", "coef_ptr": "*fp32",
                      "lr": "fp32", "beta1": "fp32", "beta2": "fp32", "eps": "fp32", "weight_decay": "fp32"}
+        # bf16 gradients with bf16 moments (--exp-avg-dtype bf16), fp32 gradients with fp32 moments
+        moment = tl.bfloat16 if grad == "bf16" else tl.float32
         constexprs = {"GRAD": getattr(tl, {"bf16": "bfloat16", "fp32": "float32"}[grad]), "MODEL": tl.bfloat16,
-                      "ALIGNED": aligned, "DECOUPLED": True, "BLOCK": BLOCK}
+                      "MOMENT": moment, "MOMENT_SQ": moment, "ALIGNED": aligned, "DECOUPLED": True, "BLOCK": BLOCK}
         signature.update({k: "constexpr" for k in constexprs})
         src = ASTSource(triton.jit(fused_adam._adam_kernel), signature=signature, constexprs=constexprs)
         ptx[aligned] = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8}).asm["ptx"]
