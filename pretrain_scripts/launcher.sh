@@ -128,6 +128,8 @@ launch() {
   printf '%s\n' "$check" >> "$log"
   echo "$(basename "$0"): ${NNODES} node(s) x ${GPUS} process(es), log in $log" | tee -a "$log" >&2
   exec > >(tee -a "$log") 2> >(tee -a "$log" >&2)
+  # MAX_RESTARTS=N: torchrun restarts every worker when one dies, up to N times; each attempt resumes from the
+  # newest complete checkpoint in --save by itself (megatron_patch/config/restart.py)
   exec "$PY" -m torch.distributed.run --nproc-per-node "$GPUS" --nnodes "$NNODES" --node-rank "$NODE_RANK" \
-    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" "$script" "${ARGS[@]}"
+    --master-addr "$MASTER_ADDR" --master-port "$MASTER_PORT" --max-restarts "${MAX_RESTARTS:-0}" "$script" "${ARGS[@]}"
 }

@@ -15,6 +15,7 @@ import sys
 from typing import List, Optional
 
 from megatron_patch.config import Config, ConfigError
+from megatron_patch.config.restart import resume_after_restart
 from megatron_patch.conversion.hf_source import parse_args, weights_for  # light: no torch
 from megatron_patch.data.checks import DataError
 from megatron_patch.data.indexed_dataset import CorruptIndexError
@@ -80,6 +81,10 @@ def main(argv: Optional[List[str]] = None, model: str = "gpt") -> int:
     sys.stdout.reconfigure(line_buffering=True)
     try:
         cfg = parse_args(argv, model=model)
+        # A restarted attempt of an elastic job (torchrun --max-restarts) resumes from its newest checkpoint.
+        cfg, restarted = resume_after_restart(cfg)
+        if restarted and int(os.environ.get("RANK", "0")) == 0:
+            print(restarted, flush=True)
         # Before torch and megatron-core are imported and before any process group exists.
         cfg = cfg.validate(int(os.environ.get("WORLD_SIZE", "1")))
         if model == "bert":

@@ -43,10 +43,24 @@ def start_process_group(world_of_one: bool = True, bind_device: bool = False) ->
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     device = current_device()
     if (world > 1 or world_of_one) and not dist.is_initialized():
+        timeout = datetime.timedelta(minutes=30)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=int(os.environ["RANK"]),
-                                world_size=world, timeout=datetime.timedelta(minutes=30),
+                                world_size=world, timeout=timeout, store=_attempt_store(world, timeout),
                                 device_id=device if bind_device and device.type == "cuda" else None)
     return device
+
+
+def _attempt_store(world: int, timeout: datetime.timedelta):
+    """None (torch's env:// rendezvous) for a first attempt; for torchrun's k-th restart, the rendezvous store under
+    the prefix attemptk: the store may outlive a failed attempt (torchrun's agent hosts it), and gloo's full-mesh
+    connect would otherwise read the dead attempt's addresses ("Gloo connectFullMesh failed")."""
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt == 0 or world == 1:
+        return None
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=int(os.environ["RANK"]) == 0 and not agent_store, timeout=timeout)
+    return dist.PrefixStore(f"attempt{attempt}", store)
 
 
 def initialize(cfg: Config) -> Config:
