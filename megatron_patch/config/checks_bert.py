@@ -31,7 +31,7 @@ def bert_model(c: Config) -> Optional[str]:
     if c.sequence_parallel:
         problems.append("--sequence-parallel: megatron-core's BertLMHead builds a torch LayerNorm, which refuses "
                         "sequence parallelism without apex; drop the flag")
-    if c.attention_backend == "te" or (c.attention_backend == "auto" and probes.transformer_engine_available()):
+    if probes.resolved_attention_backend(c.attention_backend) == "te":
         problems.append("--attention-backend te: Transformer Engine's layers fuse the LayerNorm before the linear "
                         "(pre-LN); use --attention-backend sdpa (or local)")
     if problems:

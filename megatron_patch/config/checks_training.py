@@ -70,7 +70,7 @@ def fp8(c: Config) -> Optional[str]:
         return None
     if c.fp16:
         return "--fp8-format runs its GEMMs from bf16 (or fp32) tensors, not fp16 ones: use --bf16"
-    te = probes.transformer_engine_available() and c.attention_backend in ("auto", "te")
+    te = probes.transformer_engine_available() and probes.resolved_attention_backend(c.attention_backend) == "te"
     if c.fp8_recipe in ("delayed", "mxfp8", "blockwise") and not te:
         return (f"--fp8-recipe {c.fp8_recipe} needs Transformer Engine, which is not installed; without it FP8 runs "
                 f"through torchao: --fp8-recipe tensorwise (--fp8-format hybrid) or rowwise (--fp8-format e4m3)")

@@ -75,3 +75,10 @@ def transformer_engine_available() -> bool:
         return True
     except Exception:
         return False
+
+
+def resolved_attention_backend(backend: str) -> str:
+    """--attention-backend as the model is built with it: auto is te where Transformer Engine imports, else sdpa."""
+    if backend == "auto":
+        return "te" if transformer_engine_available() else "sdpa"
+    return backend

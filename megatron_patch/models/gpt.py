@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from megatron_patch.config.config import Config  # the class, not the package (its parser reaches conversion)
-from megatron_patch.config.rule import transformer_engine_available
+from megatron_patch.config.rule import resolved_attention_backend, transformer_engine_available
 
 from .linear_cross_entropy import linear_cross_entropy
 from .norm import HeadNorm, LatentNorm, SequenceParallelNorm
@@ -39,11 +39,10 @@ def padded_vocab_size(vocab_size: int, cfg: Config) -> int:
 
 
 def resolve_attention_backend(cfg: Config) -> str:
-    if cfg.attention_backend == "auto":
-        return "te" if transformer_engine_available() else "sdpa"
-    if cfg.attention_backend == "te" and not transformer_engine_available():
+    backend = resolved_attention_backend(cfg.attention_backend)
+    if backend == "te" and not transformer_engine_available():
         raise RuntimeError("--attention-backend te needs Transformer Engine, which is not installed; use sdpa")
-    return cfg.attention_backend
+    return backend
 
 
 def mla_config(cfg: Config) -> dict:
