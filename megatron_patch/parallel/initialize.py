@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_patch import compat
 from megatron_patch.config import Config
+from megatron_patch.config.restart import restart_count
 from megatron_patch.ports import free_port
 
 
@@ -54,7 +55,7 @@ def _attempt_store(world: int, timeout: datetime.timedelta):
     """None (torch's env:// rendezvous) for a first attempt; for torchrun's k-th restart, the rendezvous store under
     the prefix attemptk: the store may outlive a failed attempt (torchrun's agent hosts it), and gloo's full-mesh
     connect would otherwise read the dead attempt's addresses ("Gloo connectFullMesh failed")."""
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    attempt = restart_count()
     if attempt == 0 or world == 1:
         return None
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
