@@ -60,24 +60,25 @@ FP8_ARGS = {"engine+best+fp8": ["--fp8-format", "hybrid"],
 # gradients accumulated into the buffer by their GEMM, Adam in one fused kernel launch per param group (+1.0% on
 # GPT-2, +1.4% on Llama); GPT-2 also replays its layers as CUDA graphs (host overhead), Llama also keeps bf16
 # gradients (reduce-overhead gains nothing there).
+def _llama_best(loss_impl: str, *more: str) -> str:
+    """The Llama shapes' fastest flags: compiled layers, a fused loss (triton; linear for long sequences: the output
+    layer in chunks, no logits), bf16 gradients, fused weight-gradient accumulation and fused Adam; then `more`."""
+    return " ".join([f"--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl {loss_impl} --grad-reduce-in-bf16 "
+                     "--gradient-accumulation-fusion --optimizer-step-fusion", *more])
+
+
 BEST_ARGS = {
     "gpt2-124m": "--compile --compile-mode reduce-overhead --cross-entropy-loss-fusion --cross-entropy-fusion-impl triton "
                  "--gradient-accumulation-fusion --optimizer-step-fusion",
-    "llama-1.3b": "--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl triton --grad-reduce-in-bf16 "
-                  "--gradient-accumulation-fusion --optimizer-step-fusion",
-    # long sequences: the loss without the logits (linear: chunks of the output layer), selective recompute
-    "llama-1.3b-16k": "--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl linear --grad-reduce-in-bf16 "
-                      "--gradient-accumulation-fusion --optimizer-step-fusion",
-    "llama-1.3b-32k": "--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl linear --grad-reduce-in-bf16 "
-                      "--gradient-accumulation-fusion --optimizer-step-fusion --checkpoint-activations "
-                      "--recompute-granularity full --recompute-method block --recompute-num-layers 12",
+    "llama-1.3b": _llama_best("triton"),
+    # long sequences: the loss without the logits; at 32k the first 12 layers recomputed whole (block)
+    "llama-1.3b-16k": _llama_best("linear"),
+    "llama-1.3b-32k": _llama_best("linear", "--checkpoint-activations --recompute-granularity full "
+                                            "--recompute-method block --recompute-num-layers 12"),
     # 8B on one GPU: 16 GB bf16 weights + 16 GB bf16 gradients + 32 GB fp32 main weights + 32 GB bf16 moments
-    "llama3-8b": "--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl linear --grad-reduce-in-bf16 "
-                 "--gradient-accumulation-fusion --optimizer-step-fusion --exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 "
-                 "--checkpoint-activations --recompute-granularity full --recompute-method uniform "
-                 "--recompute-num-layers 1",
-    "llama3-8b-layers": "--compile --cross-entropy-loss-fusion --cross-entropy-fusion-impl triton --grad-reduce-in-bf16 "
-                        "--gradient-accumulation-fusion --optimizer-step-fusion",
+    "llama3-8b": _llama_best("linear", "--exp-avg-dtype bf16 --exp-avg-sq-dtype bf16 --checkpoint-activations "
+                                       "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1"),
+    "llama3-8b-layers": _llama_best("triton"),
 }
 
 
