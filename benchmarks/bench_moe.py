@@ -13,6 +13,7 @@ TFLOP/s counts 6 x active parameters + 12*L*h*s per token (router and permutatio
                 fused AdamW), the anchor
 
     python benchmarks/bench_moe.py [--systems engine-dense engine-moe engine-moe-grouped hf-moe] [--steps 8] [--warmup 3]
+        [--profile-dir DIR] [--engine-args --compile --grad-reduce-in-bf16]
 Prints one table last (tokens/s, MFU on active parameters, peak memory, ratios).
 """
 from __future__ import annotations
@@ -28,6 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_pretrain import PEAK, run_engine  # noqa: E402
 
 EXPERTS, TOPK, MOE_FFN = 8, 2, 1792
+PROFILED = 2  # iterations under torch.profiler with --profile-dir
 
 
 def shape(a, moe: bool):
@@ -49,7 +51,13 @@ def engine(a, name: str):
                   "--moe-aux-loss-coeff", "0.01", "--moe-token-dispatcher-type", "alltoall"]
     if name == "engine-moe-grouped":
         extra.append("--moe-grouped-gemm")
-    r = run_engine(types.SimpleNamespace(warmup=a.warmup, steps=a.steps), s, name, extra + a.engine_args)
+    profile = []
+    if a.profile_dir:  # two more iterations, profiled after the timed ones (run_measured leaves them out)
+        end = a.warmup + a.steps + PROFILED
+        profile = ["--profile", "--profile-step-start", str(end - PROFILED), "--profile-step-end", str(end),
+                   "--profile-dir", os.path.join(a.profile_dir, name)]
+    r = run_engine(types.SimpleNamespace(warmup=a.warmup, steps=a.steps, extra_steps=PROFILED if profile else 0),
+                   s, name, extra + a.engine_args + profile)
     if "params" in r:
         r["active"] = r["params"] - (inactive_params(s) if moe else 0)
     return r
@@ -106,6 +114,8 @@ def main() -> None:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--engine-args", nargs=argparse.REMAINDER, default=[])
     p.add_argument("--out", default="bench_moe.jsonl")
+    p.add_argument("--profile-dir", help="engine systems: 2 more iterations under torch.profiler after the timed ones; "
+                   "DIR/SYSTEM/breakdown.json (GPU time by kind, idle share, every kernel) and a Chrome trace")
     a = p.parse_args()
     rows = []
     for name in a.systems:

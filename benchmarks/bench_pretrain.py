@@ -88,7 +88,9 @@ def flops_per_token(n_params, s):
 
 
 def run_engine(a, s, name: str, extra: list):
-    iters = a.warmup + a.steps
+    """`a.extra_steps` (optional): iterations after the timed ones, run but not timed (profiled ones)."""
+    extra_steps = getattr(a, "extra_steps", 0)
+    iters = a.warmup + a.steps + extra_steps
     cmd = [sys.executable, os.path.join(ROOT, "pretrain_megatron_gpt.py"), "--model-family", s["family"], "--mock-data",
            "--num-layers", str(s["layers"]), "--hidden-size", str(s["hidden"]), "--ffn-hidden-size", str(s["ffn"]),
            "--num-attention-heads", str(s["heads"]), "--seq-length", str(s["seq"]), "--vocab-size", str(s["vocab"]),
@@ -98,10 +100,10 @@ def run_engine(a, s, name: str, extra: list):
            "--log-interval", str(iters), "--attention-backend", "sdpa", "--make-vocab-size-divisible-by", "128"] + (
            ["--num-query-groups", str(s["groups"])] if s.get("groups") else []) + (
            ["--rotary-base", str(s["rope_base"])] if s.get("rope_base") else []) + extra
-    return run_measured(name, cmd, a.warmup, extra)
+    return run_measured(name, cmd, a.warmup, extra, extra_steps)
 
 
-def run_measured(name: str, cmd: list, warmup: int, extra: list) -> dict:
+def run_measured(name: str, cmd: list, warmup: int, extra: list, extra_steps: int = 0) -> dict:
     """Runs an engine command line (its --train-iters and the data flags set by the caller) with a metrics file,
     and returns the mean step time after `warmup` steps, the losses of every step, peak GPU memory, time from
     launch to the end of step 1 and the graphs dynamo built after step 2; or {"system", "error"}."""
@@ -112,7 +114,7 @@ def run_measured(name: str, cmd: list, warmup: int, extra: list) -> dict:
     if proc.returncode:
         return {"system": name, "error": proc.stderr[-1500:]}
     lines = [json.loads(x) for x in open(metrics) if '"loss"' in x]
-    times = [x["step_time"] for x in lines][warmup:]
+    times = [x["step_time"] for x in lines][warmup:len(lines) - extra_steps]
     graphs = [x.get("compiled_graphs", 0) for x in lines]
     return {"system": name, "step_s": sum(times) / len(times), "params": lines[0]["num_params"],
             "loss_first": lines[0]["loss"], "loss_last": lines[-1]["loss"], "losses": [x["loss"] for x in lines],
@@ -120,7 +122,8 @@ def run_measured(name: str, cmd: list, warmup: int, extra: list) -> dict:
             "peak_gib": max(x.get("max_memory_bytes", 0) for x in lines) / 2**30,
             "graphs": graphs[-1], "graphs_after_step2": graphs[-1] - graphs[min(1, len(graphs) - 1)], "flags": extra,
             "log": [ln for ln in proc.stdout.splitlines()
-                    if ln.startswith(("model", "iteration", "torch.compile", "gradient accumulation", "MoE grouped"))]}
+                    if ln.startswith(("model", "iteration", "torch.compile", "gradient accumulation", "MoE grouped",
+                                      "GPU time", "  "))]}
 
 
 def _hf_model(s, liger: bool):

@@ -14,7 +14,7 @@ from megatron_patch.config.flags import (ALL, BY_NAME, ENGINE, ENTRY_NAMES, FLAG
 
 # `rapidformer`'s namespace when no flag is given, as its hand-written parser made it before the registry
 RAPIDFORMER_DEFAULTS = {
-    'task': None, 'user_script': None, 'nproc_per_node': None, 'data_path': None, 'data_name': None, 'data_dir': None,
+    'task': None, 'user_script': None, 'nproc_per_node': None, 'max_restarts': None, 'data_path': None, 'data_name': None, 'data_dir': None,
     'text_columns': None, 'label_column': None, 'micro_batch_size': None, 'global_batch_size': None,
     'tokenizer_type': None, 'vocab_file': None, 'merge_file': None, 'split': '969,30,1', 'data_impl': 'mmap',
     'data_iterator': None, 'num_workers': 0, 'pad_to_multiple_of': None, 'mask_prob': 0.15, 'short_seq_prob': 0.1,

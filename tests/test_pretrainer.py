@@ -927,3 +927,48 @@ def test_dynamic_shape_splits_micro_batches_equally_across_two_workers(tmp_path)
         for r, x in enumerate((a, b)):
             assert x["ids"] == list(range(1000 * r + 8 * k, 1000 * r + 8 * k + 8))
             assert abs(x["weights"] - 1) < 1e-12 and abs(x["dynamic"] - x["fixed"]) < 1e-9, x
+
+
+DYING_SCRIPT = """
+import os, runpy, signal, sys
+from megatron_patch.templates import torch_loop
+
+call = torch_loop.TrainStep.__call__
+steps = [0]
+
+
+def dying(self, *a, **k):
+    steps[0] += 1  # iterations of this attempt
+    if steps[0] == 7 and os.environ["RANK"] == "1" and os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    return call(self, *a, **k)
+
+
+torch_loop.TrainStep.__call__ = dying
+sys.argv[0] = SAMPLE
+runpy.run_path(SAMPLE, run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+def test_rapidformer_max_restarts_resumes_a_killed_pretraining_like_an_uninterrupted_run(corpora, tmp_path):
+    """(~60 s.) rapidformer --max-restarts 1 on the how-to's BERT PreTrainer sample, 2 workers, dropout on: rank 1
+    killed before iteration 7 on the first attempt; the job resumes from iteration 5 by itself and ends (exit 0) with
+    the losses of an uninterrupted 2-worker run within 1e-6."""
+    model = tiny_model("bert", str(tmp_path / "bert"))
+    straight = str(tmp_path / "straight")
+    proc = rapidformer(*_ckpt_flags(model, corpora, "--save", straight, "--nproc-per-node", "2"))
+    assert proc.returncode == 0, explain(proc)
+    dying = tmp_path / "dying.py"
+    dying.write_text(f"SAMPLE = {BERT_SAMPLE!r}\n" + DYING_SCRIPT)
+    save = str(tmp_path / "faulty")
+    flags = _ckpt_flags(model, corpora, "--save", save, "--nproc-per-node", "2", "--max-restarts", "1")
+    flags[flags.index(BERT_SAMPLE)] = str(dying)
+    proc = rapidformer(*flags)  # the dying wrapper runs the sample
+    assert proc.returncode == 0, explain(proc)
+    assert (f"restart 1 of 1 (torchrun --max-restarts): resuming from iteration 5, the newest complete checkpoint in "
+            f"{save}") in proc.stdout, explain(proc)
+    want = {x["iteration"]: x["loss"] for x in _train(_lines(os.path.join(straight, "metrics.jsonl")))}
+    got = {x["iteration"]: x["loss"] for x in _train(_lines(os.path.join(save, "metrics.jsonl")))}
+    assert sorted(got) == sorted(want) == list(range(1, 11))
+    assert [got[i] for i in range(1, 11)] == pytest.approx([want[i] for i in range(1, 11)], rel=1e-6)

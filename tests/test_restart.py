@@ -58,3 +58,61 @@ def test_a_run_failing_at_the_same_iteration_stops_when_the_restarts_run_out(tmp
             f"{tmp_path / 'ck'}; the attempt before this one resumed from iteration 2 too: the run fails after it"
             ) in proc.stdout
     assert max(x["iteration"] for x in lines if "loss" in x) == 3
+
+
+def test_a_worker_killed_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_path):
+    """--async-save: the checkpoint of iteration 4 is still being written (its write never ends) when rank 1 dies
+    before iteration 6; the tracker still names iteration 2, the restarted attempt resumes from it and ends with the
+    losses of an uninterrupted synchronous run."""
+    straight, _ = run_engine(tmp_path / "straight", 2, *ARGS, "--save", str(tmp_path / "straight" / "ck"),
+                             torchrun=False)
+    ck = tmp_path / "faulty" / "ck"
+    proc, lines = _torchrun(tmp_path / "faulty", 1, {"FAULT_AT": "5", "FAULT_SLOW_SAVE": "4"}, *ARGS,
+                            "--save", str(ck), "--async-save")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "writing in the background (--async-save)" in proc.stdout
+    assert f"restart 1 of 1 (torchrun --max-restarts): resuming from iteration 2, the newest complete checkpoint in {ck}" \
+        in proc.stdout
+    assert [x["iteration"] for x in lines if "loss" in x] == [1, 2, 3, 4, 5, 3, 4, 5, 6]
+    want, got = _last_per_iteration(straight), _last_per_iteration(lines)
+    assert [got[i] for i in range(1, 7)] == pytest.approx([want[i] for i in range(1, 7)], rel=1e-6)
+    assert sorted(os.listdir(ck)) == ["iter_0000002", "iter_0000004", "iter_0000006",
+                                      "latest_checkpointed_iteration.txt", "restarts.jsonl"]
+
+
+# ---- rapidformer --max-restarts ------------------------------------------------------------------------------------
+def test_rapidformer_max_restarts_runs_torchrun_with_restarts_and_the_attempt_loads_save(tmp_path, monkeypatch):
+    """The launcher passes torchrun --max-restarts (also for one worker: restarts need torchrun's agent); a restarted
+    worker's flags load --save's newest complete checkpoint and rank 0 says so; a first attempt changes nothing."""
+    import argparse
+
+    from megatron_patch.cli import launch, worker
+
+    cmd = launch.torchrun_command(["--task", "pretraining"], 1, max_restarts=3)
+    assert "--max-restarts=3" in cmd and cmd.index("--max-restarts=3") < cmd.index("megatron_patch.cli.worker")
+    assert not [c for c in launch.torchrun_command([], 2) if c.startswith("--max-restarts")]
+    save = tmp_path / "ck"
+    save.mkdir()
+    (save / "latest_checkpointed_iteration.txt").write_text("5")
+    args = argparse.Namespace(save=str(save), load="model_dir")
+    worker._resume_after_restart(args)
+    assert args.load == "model_dir"  # first attempt
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "3")
+    monkeypatch.setenv("RANK", "0")
+    worker._resume_after_restart(args)
+    assert args.load == str(save)
+
+
+def test_rapidformer_max_restarts_is_refused_for_fine_tuning_and_below_zero():
+    from finetune_utils import rapidformer
+    from megatron_patch.config.flag_use import refuse_unused
+    from megatron_patch.config.rapidformer_flags import UsageError, parse_args as front_args
+
+    args = front_args(["--task", "sequence_classification", "--max-restarts", "2"])
+    with pytest.raises(UsageError, match="--max-restarts 2: pretraining: a job whose worker died starts again .*"
+                                         r"Black-box fine-tuning \(--task sequence_classification\) does not use it: drop it"):
+        refuse_unused(args, ["ft"])
+    refuse_unused(front_args(["--task", "pretraining", "--max-restarts", "2"]), ["pt"])  # acts there
+    proc = rapidformer("--task", "pretraining", "--max-restarts", "-1")
+    assert proc.returncode == 2 and "--max-restarts -1: give 0 or more restarts" in proc.stderr, proc.stderr[-2000:]

@@ -2,7 +2,8 @@
 
 One worker per visible GPU (CUDA_VISIBLE_DEVICES), or `--nproc-per-node N`; on a machine without a GPU one
 worker, gloo between several. Several nodes use the documented MASTER_ADDR, MASTER_PORT, NNODES and
-NODE_RANK. A single worker on a single node runs in this process (no launcher to pay for).
+NODE_RANK. A single worker on a single node runs in this process (no launcher to pay for), unless --max-restarts asks
+for torchrun's restarts.
 """
 from __future__ import annotations
 
@@ -37,7 +38,7 @@ def workers_per_node(requested: int | None) -> int:
     return max(1, visible_gpus())
 
 
-def torchrun_command(argv: List[str], nproc: int) -> List[str]:
+def torchrun_command(argv: List[str], nproc: int, max_restarts: int = 0) -> List[str]:
     multi_node = nodes() > 1
     port = os.environ.get("MASTER_PORT") or (None if multi_node else str(free_port()))
     if multi_node and not (os.environ.get("MASTER_ADDR") and port):
@@ -46,14 +47,15 @@ def torchrun_command(argv: List[str], nproc: int) -> List[str]:
     return [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--nnodes={nodes()}",
             f"--node-rank={os.environ.get('NODE_RANK', '0')}",
             f"--master-addr={os.environ.get('MASTER_ADDR', '127.0.0.1')}", f"--master-port={port}",
-            "-m", "megatron_patch.cli.worker", *argv]
+            *([f"--max-restarts={max_restarts}"] if max_restarts else []), "-m", "megatron_patch.cli.worker", *argv]
 
 
 def run_workers(argv: List[str], nproc: int, args) -> int:
     """Run the workers for `argv`, whose flags the front end's rules made `args`, and return the exit status: 2
     when they stopped at a usage error (its message printed once, see status.py), else theirs. The workers get
     `args` as they are (a file named by CHECKED_ARGS), not the rules again."""
-    if nproc == 1 and nodes() == 1:
+    max_restarts = getattr(args, "max_restarts", None) or 0
+    if nproc == 1 and nodes() == 1 and not max_restarts:  # (restarts need torchrun's agent, even for one worker)
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
@@ -67,7 +69,7 @@ def run_workers(argv: List[str], nproc: int, args) -> int:
     with tempfile.TemporaryDirectory(prefix="rapidformer_status_") as directory:
         checked = os.path.join(directory, "checked_args.json")
         dump_checked(args, checked)
-        code = subprocess.call(torchrun_command(argv, nproc),
+        code = subprocess.call(torchrun_command(argv, nproc, max_restarts),
                                env={**env, status.ENV: directory, CHECKED_ARGS: checked})
         message = status.first_usage_error(directory)
     if message is not None:

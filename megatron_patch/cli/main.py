@@ -25,6 +25,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         quiet_known_noise()  # this process may run the single worker itself
         nproc = workers_per_node(args.nproc_per_node)
+        if (args.max_restarts or 0) < 0:
+            raise UsageError(f"--max-restarts {args.max_restarts}: give 0 or more restarts")
         check(args, world_size=nproc * nodes())
         check_shapes(args)
         check_padding_free(args)

@@ -50,6 +50,7 @@ def run(args, argv: List[str]) -> int:
     offline()
     quiet_known_noise()
     try:
+        _resume_after_restart(args)
         set_args(args)
         log = get_logger()
         for note in args.notes:
@@ -66,6 +67,18 @@ def run(args, argv: List[str]) -> int:
         return report_usage_error(e)
     finally:
         destroy_process_groups()
+
+
+def _resume_after_restart(args) -> None:
+    """A restarted attempt (rapidformer --max-restarts) loads the newest complete checkpoint of --save, and rank 0
+    says so in one line (config/restart.py)."""
+    from megatron_patch.config.restart import restart_resume
+
+    load, line = restart_resume(getattr(args, "save", None))
+    if load:
+        args.load = load
+    if line and int(os.environ.get("RANK", "0")) == 0:
+        print(line, flush=True)
 
 
 if __name__ == "__main__":

@@ -284,3 +284,23 @@ def checkpoint_flags(c: Config) -> Optional[str]:
         return f"--keep-last-n {c.keep_last_n}: keep at least 1 checkpoint (the newest is never deleted)"
     if c.save_interval is not None and not c.save:
         return "--save-interval needs --save DIR"
+
+
+@rule("schedule")
+def hang_timeouts(c: Config) -> Optional[str]:
+    for flag, value in (("--distributed-timeout-minutes", c.distributed_timeout_minutes),
+                        ("--heartbeat-timeout-seconds", c.heartbeat_timeout_seconds),
+                        ("--step-timeout-minutes", c.step_timeout_minutes)):
+        if value is not None and not value > 0:
+            return f"{flag} {value:g}: give a positive time"
+    if c.heartbeat_timeout_seconds >= c.distributed_timeout_minutes * 60:
+        return (f"--heartbeat-timeout-seconds {c.heartbeat_timeout_seconds:g} is not shorter than "
+                f"--distributed-timeout-minutes {c.distributed_timeout_minutes:g}: a stopped worker would end the job "
+                "through the collectives' timeout, unnamed; lower the heartbeat timeout or raise the other")
+
+
+@rule("checkpoint")
+def async_save(c: Config) -> Optional[str]:
+    if c.async_save and c.zero_2_memory_optimization:
+        return ("--async-save writes megatron-core torch_dist checkpoints (ZeRO-0/1); a ZeRO-2 run saves Megatron-FSDP's "
+                "DTensors synchronously: drop --async-save or use --zero-1-memory-optimization")

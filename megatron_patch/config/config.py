@@ -205,6 +205,7 @@ class CheckpointConfig:
     override_opt_param_scheduler: bool = False
     use_checkpoint_opt_param_scheduler: bool = False
     keep_last_n: Optional[int] = None
+    async_save: bool = False  # write checkpoints in a background thread (training/checkpoint/async_save.py)
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,11 @@ class RunConfig:
     exit_interval: Optional[int] = None
     skip_train: bool = False
     validate_only: bool = False  # check config and data for WORLD_SIZE processes, then exit
+    # Hang detection (parallel/watchdog.py): the collectives' timeout (Megatron-LM's flag and default), a worker's
+    # missing heartbeat, and optionally a step that never ends
+    distributed_timeout_minutes: float = 10.0
+    heartbeat_timeout_seconds: float = 60.0
+    step_timeout_minutes: Optional[float] = None
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ flag                                   ft         finetuner  pt         hf      
 task                                   acts       acts       acts       acts       acts
 user_script                            acts       acts       acts       acts       acts
 nproc_per_node                         acts       acts       acts       acts       acts
+max_restarts                           no         no         acts       acts       acts
 data_path                              acts       script     acts       script     script
 data_name                              acts       script     no         script     script
 data_dir                               acts       script     no         script     script
@@ -184,6 +185,8 @@ PURPOSE: Dict[str, str] = {
     "use_checkpoint_opt_param_scheduler": "resuming a pretraining checkpoint (--load) on the checkpoint's "
                                           "learning-rate schedule; fine-tuning resumes nothing, its schedule starts "
                                           "with the run",
+    "max_restarts": "pretraining: a job whose worker died starts again and resumes from the newest checkpoint of "
+                    "--save; fine-tuning keeps no checkpoint mid-run to resume from",
     "save_interval": "pretraining checkpoints every N iterations, which --load resumes; fine-tuning saves the "
                      "trained model to --save once, at the end (save_pretrained)",
     "eval_at_start": "fine-tuning's evaluation of the untrained model; pretraining validates every --eval-interval "

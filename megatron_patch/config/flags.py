@@ -197,6 +197,9 @@ FLAGS: Tuple[Flag, ...] = (
            "worker"),
         _f("--nproc-per-node", int, FRONT, "workers on this node (default: one per visible GPU, CUDA_VISIBLE_DEVICES; "
            "1 on a machine without GPU)"),
+        _f("--max-restarts", int, FRONT, "pretraining: when a worker dies, torchrun stops the others and starts the job "
+           "again, up to N times; each new attempt resumes from the newest complete checkpoint of --save by itself "
+           "(torchrun's --max-restarts; default 0)"),
         _f("--validate-only", STORE_TRUE, ENGINE, "check the configuration for WORLD_SIZE processes (default 1) and "
            "the data, print the resolved settings and exit: 0 when sound, 2 with the reason otherwise (the launchers "
            "run this before torchrun)"),
@@ -399,6 +402,13 @@ FLAGS: Tuple[Flag, ...] = (
         _f("--no-exit-on-nan", STORE_FALSE, ENGINE, "keep going after a NaN/Inf loss", dest="exit_on_nan"),
         _f("--exit-interval", int, ENGINE, "stop (after saving) when the iteration is a multiple of this"),
         _f("--skip-train", STORE_TRUE, ENGINE, "only evaluate (validation and test sets), e.g. after --load"),
+        _f("--distributed-timeout-minutes", float, ENGINE, "timeout of every collective (init_process_group's: gloo "
+           "raises, NCCL's watchdog aborts), Megatron-LM's flag"),
+        _f("--heartbeat-timeout-seconds", float, ENGINE, "a worker whose heartbeat (a thread, every 2 s, through the "
+           "rendezvous store) stops for this long (stopped, frozen, machine gone) ends the job, named in one line; "
+           "shorter than --distributed-timeout-minutes"),
+        _f("--step-timeout-minutes", float, ENGINE, "end the job when a rank spends longer than this in one step, "
+           "checkpoint save or evaluation, naming every rank's position (default: off)"),
     ),
     *_concern(
         "checkpoint",
@@ -420,6 +430,9 @@ FLAGS: Tuple[Flag, ...] = (
         _f("--use-checkpoint-opt-param-scheduler", STORE_TRUE, ALL, "pretraining, resuming with --load: keep the "
            "checkpoint's learning-rate schedule, whatever this run's schedule flags say"),
         _f("--keep-last-n", int, ENGINE, "after each save, delete all but the newest N complete checkpoints"),
+        _f("--async-save", STORE_TRUE, ENGINE, "write checkpoints in the background (Megatron-LM's flag): a save stalls "
+           "training only to plan it and copy this rank's state to host memory; the checkpoint is published (manifest, "
+           "tracker) once every rank has written it, so a crash meanwhile leaves the previous one the newest (ZeRO-0/1)"),
     ),
     *_concern(
         "logging",

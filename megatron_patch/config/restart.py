@@ -37,24 +37,32 @@ def _tracked_iteration(save: str) -> Optional[int]:
         return None
 
 
-def resume_after_restart(cfg: "Config") -> Tuple["Config", Optional[str]]:
-    """On a restarted attempt whose --save holds a complete checkpoint: `cfg` loading it (--load SAVE, in place of
-    --load or --load-hf), and the line that says so; otherwise `cfg` unchanged and None."""
+def restart_resume(save: Optional[str]) -> Tuple[Optional[str], Optional[str]]:
+    """On a restarted attempt: (the directory to load, --save when it holds a complete checkpoint, else None; the line
+    that says what the attempt does). On a first attempt: (None, None)."""
     attempt = restart_count()
-    if attempt == 0 or not cfg.save:
-        return cfg, None
-    iteration = _tracked_iteration(cfg.save)
+    if attempt == 0:
+        return None, None
     limit = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "?")
+    iteration = _tracked_iteration(save) if save else None
     if iteration is None:
-        return cfg, (f"restart {attempt} of {limit} (torchrun --max-restarts): no complete checkpoint in --save "
-                     f"{cfg.save} yet, starting over as the first attempt did")
-    previous = _previous_iteration(cfg.save)
-    _record(cfg.save, attempt, iteration)
+        where = f"in --save {save} yet" if save else "to resume from (no --save)"
+        return None, (f"restart {attempt} of {limit} (torchrun --max-restarts): no complete checkpoint {where}, "
+                      "starting over as the first attempt did")
+    previous = _previous_iteration(save)
+    _record(save, attempt, iteration)
     again = (f"; the attempt before this one resumed from iteration {iteration} too: the run fails after it"
              if previous == iteration else "")
-    line = (f"restart {attempt} of {limit} (torchrun --max-restarts): resuming from iteration {iteration}, the "
-            f"newest complete checkpoint in {cfg.save}{again}")
-    return cfg.replace(load=cfg.save, load_hf=None), line
+    return save, (f"restart {attempt} of {limit} (torchrun --max-restarts): resuming from iteration {iteration}, the "
+                  f"newest complete checkpoint in {save}{again}")
+
+
+def resume_after_restart(cfg: "Config") -> Tuple["Config", Optional[str]]:
+    """On a restarted attempt whose --save holds a complete checkpoint: `cfg` loading it (--load SAVE, in place of
+    --load or --load-hf), and the line that says so; otherwise `cfg` unchanged and the line (None: a first
+    attempt)."""
+    load, line = restart_resume(cfg.save)
+    return (cfg.replace(load=load, load_hf=None) if load else cfg), line
 
 
 def _previous_iteration(save: str) -> Optional[int]:

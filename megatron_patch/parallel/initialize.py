@@ -19,6 +19,8 @@ from megatron_patch.config import Config
 from megatron_patch.config.restart import restart_count
 from megatron_patch.ports import free_port
 
+from .watchdog import start_watchdog, stop_watchdog
+
 
 def current_device() -> torch.device:
     """The device this worker computes on: its CUDA device (set by start_process_group), else the CPU."""
@@ -29,12 +31,14 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def start_process_group(world_of_one: bool = True, bind_device: bool = False) -> torch.device:
+def start_process_group(world_of_one: bool = True, bind_device: bool = False,
+                        timeout_minutes: float = 30.0) -> torch.device:
     """The one process-group set-up of every run (the engine's and the torch loop's): join the workers of the
     torchrun environment (NCCL on GPUs, gloo on the CPU), pick this worker's device, and return it.
     `world_of_one`: a single process without torchrun starts a group of its own too (megatron-core needs one); the
     torch loop's Hugging Face models need none, and join only when there are several workers. `bind_device`: hand
-    NCCL the device up front (the torch loop's FSDP2/DDP collectives then know it from the first call)."""
+    NCCL the device up front (the torch loop's FSDP2/DDP collectives then know it from the first call).
+    `timeout_minutes`: every collective's timeout (the engine's --distributed-timeout-minutes)."""
     world = world_size_from_env()
     if world_of_one and "RANK" not in os.environ:  # plain `python pretrain_megatron_gpt.py`: a world of one
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
@@ -44,7 +48,7 @@ def start_process_group(world_of_one: bool = True, bind_device: bool = False) ->
         torch.cuda.set_device(local_rank % torch.cuda.device_count())
     device = current_device()
     if (world > 1 or world_of_one) and not dist.is_initialized():
-        timeout = datetime.timedelta(minutes=30)
+        timeout = datetime.timedelta(minutes=timeout_minutes)
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=int(os.environ["RANK"]),
                                 world_size=world, timeout=timeout, store=_attempt_store(world, timeout),
                                 device_id=device if bind_device and device.type == "cuda" else None)
@@ -79,7 +83,9 @@ def initialize(cfg: Config) -> Config:
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    start_process_group()
+    start_process_group(timeout_minutes=cfg.distributed_timeout_minutes)
+    start_watchdog(cfg.heartbeat_timeout_seconds,
+                   cfg.step_timeout_minutes * 60 if cfg.step_timeout_minutes else None)
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
@@ -99,6 +105,7 @@ def initialize(cfg: Config) -> Config:
 def destroy() -> None:
     from megatron.core import parallel_state as mpu
 
+    stop_watchdog()
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     if dist.is_initialized():

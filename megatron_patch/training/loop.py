@@ -21,7 +21,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron_patch.config import Config
 from megatron_patch.models import build
 from megatron_patch.models.build import WeightLoader, model_vocab_size, wrap_model
-from megatron_patch.parallel import current_device, initialize, print_rank_0
+from megatron_patch.parallel import current_device, initialize, print_rank_0, watchdog
 
 from .checkpoint import Checkpointer, TrainState
 from .data import build_datasets, build_iterator, tokenizer_from_config
@@ -248,8 +248,10 @@ class Trainer:
             # or stop are finished at once (a NaN loss is caught at most one iteration late otherwise). On the
             # CPU the work is synchronous anyway: every step is finished at once. Step times come from the
             # clock's marks (CUDA events on a GPU), not from when the host reads a step.
+            watchdog.mark(state.iteration + 1, "train step")
             metrics = self.train_step(train_iter)
             end = self._clock.mark()
+            self.checkpointer.poll()  # --async-save: publish a checkpoint whose files are all written
             state.iteration += 1
             state.consumed_samples += cfg.global_batch_size
             since += 1
@@ -274,8 +276,10 @@ class Trainer:
                 reporter.log(metrics, time.time() - t0, since)
                 t0, since = time.time(), 0
             if validating:
+                watchdog.mark(state.iteration, "evaluation")
                 reporter.validation(state.iteration, self.validator.run(state), components=self.eval_components)
             if saving:
+                watchdog.mark(state.iteration, "checkpoint save")
                 self.checkpointer.save(state)
             if validating or saving:  # neither is the next step's time
                 t0 = time.time()
@@ -284,7 +288,9 @@ class Trainer:
                 print_rank_0(f"exiting at iteration {state.iteration} (--exit-interval {cfg.exit_interval})")
                 break
         if self.checkpointer.should_save(state.iteration, stopping=True):
+            watchdog.mark(state.iteration, "checkpoint save")
             self.checkpointer.save(state)
+        self.checkpointer.finish()  # --async-save: the last checkpoint published before the run ends
         reporter.close()
         return self.history
 

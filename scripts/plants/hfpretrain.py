@@ -18,16 +18,18 @@ PLANTS = [
          property="the checkpoint records how many validation samples the evaluations read over all workers",
          tests=[RESUME, OTHER_WORLD]),
     dict(name="hf-manifest-written-before-the-shards", file="megatron_patch/training/checkpoint/atomic.py",
-         original="""    write_files(tmp)
-    _barrier()  # every worker's files are written: the manifest's inventory covers them
-    if rank == 0:
-        directory.write_manifest(tmp, manifest())
+         original="""    write_files(begin_checkpoint(root, iteration))
+    return publish_checkpoint(root, iteration, manifest, keep_last_n)
 """,
-         replacement="""    if rank == 0:
+         replacement="""    tmp = begin_checkpoint(root, iteration)
+    if _rank() == 0:
         directory.write_manifest(tmp, manifest())
     write_files(tmp)
     _barrier()
-    if rank == 0:
+    if _rank() == 0:
+        directory.publish(tmp, root, iteration)
+    _barrier()
+    return checkpoint_dir(root, iteration)
 """,
          property="the manifest is written last, so its inventory lists every file of the checkpoint with its size "
                   "(written first, it lists none: a missing shard goes unnoticed)",

@@ -6,7 +6,7 @@ GIVE_UP = f"{RESTART}::test_a_run_failing_at_the_same_iteration_stops_when_the_r
 
 PLANTS = [
     dict(name="restart-does-not-resume", file="megatron_patch/config/restart.py",
-         original="    return cfg.replace(load=cfg.save, load_hf=None), line",
+         original="    return (cfg.replace(load=load, load_hf=None) if load else cfg), line",
          replacement="    return cfg, line",
          property="a restarted attempt resumes from the newest complete checkpoint of --save",
          tests=[KILLED]),
@@ -20,4 +20,61 @@ PLANTS = [
          replacement="             if False else \"\")",
          property="an attempt resuming from the same iteration as the one before says so",
          tests=[GIVE_UP]),
+]
+
+# Hang detection (issue 32, item 3)
+HANG = "tests/test_hang.py"
+STOPPED = f"{HANG}::test_a_stopped_worker_ends_the_job_naming_its_rank"
+PLANTS += [
+    dict(name="hang-heartbeat-never-stale", file="megatron_patch/parallel/watchdog.py",
+         original="            if since > self.heartbeat_timeout_s:",
+         replacement="            if since > 1e9:",
+         property="a worker whose heartbeat stops ends the job, named",
+         tests=[f"{HANG}::test_a_silent_rank_is_named_with_its_last_position", STOPPED]),
+    dict(name="hang-heartbeat-not-refreshed", file="megatron_patch/parallel/watchdog.py",
+         original="            if r not in self._seen or self._seen[r][0] != rec[\"beat\"]:",
+         replacement="            if r not in self._seen:",
+         property="a beating worker is not taken for a stopped one",
+         tests=[f"{HANG}::test_a_beating_rank_is_not_named_and_a_finished_rank_is_not_expected"]),
+    dict(name="hang-finished-rank-still-watched", file="megatron_patch/parallel/watchdog.py",
+         original="            if not rec.get(\"done\"):\n                return r",
+         replacement="            if True:\n                return r",
+         property="a worker that finished is no longer expected to beat",
+         tests=[f"{HANG}::test_a_beating_rank_is_not_named_and_a_finished_rank_is_not_expected"]),
+    dict(name="hang-step-timeout-ignored", file="megatron_patch/parallel/watchdog.py",
+         original="and in_phase > self.step_timeout_s:",
+         replacement="and in_phase > 1e9:",
+         property="a step longer than --step-timeout-minutes ends the job, naming positions",
+         tests=[f"{HANG}::test_a_step_past_the_step_timeout_is_named_with_the_neighbours_position"]),
+    dict(name="hang-loop-marks-nothing", file="megatron_patch/training/loop.py",
+         original="            watchdog.mark(state.iteration + 1, \"train step\")\n",
+         replacement="",
+         property="the training loop reports its position to the watchdog",
+         tests=[STOPPED]),
+    dict(name="hang-heartbeat-rule-missing", file="megatron_patch/config/checks_training.py",
+         original="    if c.heartbeat_timeout_seconds >= c.distributed_timeout_minutes * 60:",
+         replacement="    if False:",
+         property="a heartbeat timeout not shorter than the collectives' is refused before launch",
+         tests=[f"{HANG}::test_timeouts_are_checked_before_launch"]),
+]
+
+# Asynchronous checkpoints (issue 32, item 4)
+ASYNC_KILL = f"{RESTART}::test_a_worker_killed_during_an_async_save_resumes_from_the_previous_checkpoint"
+PLANTS += [
+    dict(name="async-save-stages-live-tensors", file="megatron_patch/compat/checkpoint_writer.py",
+         original='[(item, t.to("cpu", copy=True)) for item, t in tensors]',
+         replacement='[(item, t.to("cpu")) for item, t in tensors]',
+         property="the background write reads a copy staged at the save, not the live weights",
+         tests=["tests/test_async_save.py::test_the_background_write_reads_a_copy_staged_at_the_save"]),
+    dict(name="async-save-published-before-written", file="megatron_patch/training/checkpoint/checkpointer.py",
+         original="        self.async_saver.start(iteration, request, publish)\n",
+         replacement="        self.async_saver.start(iteration, request, publish)\n"
+                     "        publish_checkpoint(root, iteration, lambda: entries)\n",
+         property="an asynchronous checkpoint is published only once every rank has written it",
+         tests=[ASYNC_KILL]),
+    dict(name="async-save-zero2-accepted", file="megatron_patch/config/checks_training.py",
+         original="    if c.async_save and c.zero_2_memory_optimization:",
+         replacement="    if False:",
+         property="--async-save with ZeRO-2 is refused in words",
+         tests=["tests/test_async_save.py::test_async_save_with_zero_2_is_refused_in_words"]),
 ]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pickle
+import time
 from typing import Dict, List, Optional
 
 import torch
@@ -16,7 +17,7 @@ from megatron_patch.config.checkpoint_layout import CheckpointError, checkpoint_
 from megatron_patch.config.resume import check_schedule, layout, restores
 
 from . import fsdp_dtensor, torch_dist
-from .atomic import write_checkpoint
+from .atomic import begin_checkpoint, publish_checkpoint, write_checkpoint
 from .state import SaveSchedule, TrainState
 
 BACKENDS = {torch_dist.FORMAT: torch_dist, fsdp_dtensor.FORMAT: fsdp_dtensor}
@@ -53,25 +54,65 @@ class Checkpointer(SaveSchedule):
         apply_safe_loading()
         self.format = fsdp_dtensor.FORMAT if cfg.zero_2_memory_optimization else torch_dist.FORMAT
         self.backend = BACKENDS[self.format]
+        self.async_saver = None
+        if cfg.async_save and cfg.save:
+            from .async_save import AsyncSaver
+
+            self.async_saver = AsyncSaver()
 
     def save(self, state: TrainState, consume_model: bool = False, root: Optional[str] = None) -> str:
         """Write checkpoint `state.iteration` under --save; collective (every rank calls it).
         `consume_model`: the model is not used after this (a conversion); its memory may be freed while saving.
         `root`: write under this directory instead, which becomes --save later (a conversion's staging
-        directory, renamed once verified); the stored configuration still names --save."""
+        directory, renamed once verified); the stored configuration still names --save.
+        With --async-save the files are written in the background (see async_save.py) and the directory is
+        published later (poll(), finish()); it is returned all the same."""
         root = root or self.cfg.save
         model_only = self.optimizer is None
+        entries = lambda: {**state.saved(), "format": self.format, "layout": layout(self.cfg),  # noqa: E731
+                           "contents": ["model"] if model_only else ["model", "optimizer", "rng", "scheduler"],
+                           "scheduler": None if model_only else self.scheduler.state_dict(),
+                           "config": self.cfg.to_flat(), "model": self.model_info, "versions": _versions()}
+        self.last_saved = state.iteration
+        if self.async_saver is not None and not consume_model:
+            return self._save_async(state.iteration, root, entries())  # the entries as of this iteration
         final = write_checkpoint(
             root, state.iteration,
             lambda tmp: self.backend.save(tmp, self.model, self.optimizer, consume_model=consume_model),
-            lambda: {**state.saved(), "format": self.format, "layout": layout(self.cfg),
-                     "contents": ["model"] if model_only else ["model", "optimizer", "rng", "scheduler"],
-                     "scheduler": None if model_only else self.scheduler.state_dict(),
-                     "config": self.cfg.to_flat(), "model": self.model_info, "versions": _versions()},
-            self.cfg.keep_last_n)
-        self.last_saved = state.iteration
+            entries, self.cfg.keep_last_n)
         _print0(f"saved checkpoint {final}")
         return final
+
+    def _save_async(self, iteration: int, root: str, entries: Dict) -> str:
+        self.finish()  # one save in flight: the previous one is published first
+        t0 = time.time()
+        request = self.backend.save_async(begin_checkpoint(root, iteration), self.model, self.optimizer)
+
+        def publish() -> str:
+            return publish_checkpoint(root, iteration, lambda: entries, self.cfg.keep_last_n)
+
+        self.async_saver.start(iteration, request, publish)
+        _print0(f"checkpoint {checkpoint_dir(root, iteration)}: planned and staged in {time.time() - t0:.2f} s, "
+                "writing in the background (--async-save)")
+        return checkpoint_dir(root, iteration)
+
+    def poll(self) -> None:
+        """--async-save: publish the checkpoint being written once every rank has written its files (collective;
+        after every iteration). A no-op otherwise."""
+        if self.async_saver is not None and self.async_saver.pending is not None:
+            self._published(self.async_saver.pending.started, self.async_saver.poll())
+
+    def finish(self) -> None:
+        """--async-save: wait for the checkpoint being written and publish it (collective; at the end of training).
+        A no-op otherwise."""
+        if self.async_saver is not None and self.async_saver.pending is not None:
+            self._published(self.async_saver.pending.started, self.async_saver.finish())
+
+    @staticmethod
+    def _published(started: float, final: Optional[str]) -> None:
+        if final is not None:
+            _print0(f"saved checkpoint {final} (written in the background, published {time.time() - started:.1f} s "
+                    "after it started)")
 
     def load(self) -> Optional[TrainState]:
         """Restore the newest complete checkpoint under --load; None when the directory holds none."""

@@ -59,6 +59,14 @@ def _own_storage_then_free(state: Dict, model: List) -> None:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
+def _state(model: List, optimizer) -> Dict:
+    state = _model_state(model)
+    if optimizer is not None:
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=OPT_METADATA)
+        state["rng_state"] = rng.sharded(rng.capture())
+    return state
+
+
 def save(path: str, model: List, optimizer, consume_model: bool = False) -> None:
     """Write this rank's part of the checkpoint into `path` (collective). Without an optimizer (a converted
     model) only the weights are written: no optimizer state, no RNG streams. `consume_model` (a conversion,
@@ -71,6 +79,13 @@ def save(path: str, model: List, optimizer, consume_model: bool = False) -> None
         state["rng_state"] = rng.sharded(rng.capture())
     write_results_in_process()  # not megatron-core's Manager process, spawned at the first save of each rank
     dist_checkpointing.save(state, path)
+
+
+def save_async(path: str, model: List, optimizer):
+    """--async-save: plan this rank's part of the checkpoint into `path` (collective) and return megatron-core's
+    AsyncRequest; its writes (async_save.py runs them) and finalisation come later."""
+    write_results_in_process()  # the background thread is of this process: the queue of this process serves it
+    return dist_checkpointing.save(_state(model, optimizer), path, async_sharded_save=True, async_strategy="mcore")
 
 
 def load(path: str, model: List, optimizer, load_optimizer: bool, load_rng: bool, without_adapters: bool = False) -> None:
