@@ -30,14 +30,20 @@ def _torchrun(workdir, max_restarts: int, env: dict, *args: str):
     return proc, lines
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """The uninterrupted 2-process run (synchronous saves) the interrupted ones must equal."""
+    d = tmp_path_factory.mktemp("straight")
+    lines, _ = run_engine(d, 2, *ARGS, "--save", str(d / "ck"), torchrun=False)
+    return lines
+
+
 def _last_per_iteration(lines):
     """iteration -> loss, the last attempt's where several wrote it (attempts append to the metrics file)."""
     return {x["iteration"]: x["loss"] for x in lines if "loss" in x}
 
 
-def test_killed_worker_restarts_and_finishes_like_an_uninterrupted_run(tmp_path):
-    straight, _ = run_engine(tmp_path / "straight", 2, *ARGS, "--save", str(tmp_path / "straight" / "ck"),
-                             torchrun=False)
+def test_killed_worker_restarts_and_finishes_like_an_uninterrupted_run(tmp_path, straight):
     proc, lines = _torchrun(tmp_path / "faulty", 1, {"FAULT_AT": "3"}, *ARGS, "--save", str(tmp_path / "faulty" / "ck"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert ("restart 1 of 1 (torchrun --max-restarts): resuming from iteration 2, the newest complete checkpoint in "
@@ -60,12 +66,10 @@ def test_a_run_failing_at_the_same_iteration_stops_when_the_restarts_run_out(tmp
     assert max(x["iteration"] for x in lines if "loss" in x) == 3
 
 
-def test_a_worker_killed_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_path):
+def test_a_worker_killed_during_an_async_save_resumes_from_the_previous_checkpoint(tmp_path, straight):
     """--async-save: the checkpoint of iteration 4 is still being written (its write never ends) when rank 1 dies
     before iteration 6; the tracker still names iteration 2, the restarted attempt resumes from it and ends with the
     losses of an uninterrupted synchronous run."""
-    straight, _ = run_engine(tmp_path / "straight", 2, *ARGS, "--save", str(tmp_path / "straight" / "ck"),
-                             torchrun=False)
     ck = tmp_path / "faulty" / "ck"
     proc, lines = _torchrun(tmp_path / "faulty", 1, {"FAULT_AT": "5", "FAULT_SLOW_SAVE": "4"}, *ARGS,
                             "--save", str(ck), "--async-save")

@@ -12,10 +12,11 @@ Three mechanisms bound a hang, and each is needed somewhere:
   at each step, save and evaluation) is older than that ends the job the same way, naming its position and its
   neighbour's (a hung collective or a rank in an endless loop: all heartbeats move, no progress);
 - the launcher: torchrun, seeing a worker exit non-zero, sends the others SIGTERM and SIGKILL 30 s later (a stopped
-  process takes only SIGKILL), so nothing is left running; with --max-restarts it starts the job again.
+  process takes only SIGKILL), so nothing is left running; with --max-restarts it starts the job again. The watcher
+  kills a stopped worker of its own torchrun agent (same machine, same parent process) itself, at once.
 
-So a stopped worker ends the job within --heartbeat-timeout-seconds + 2 x HEARTBEAT_SECONDS (detection) + 30 s
-(torchrun's SIGTERM grace), on gloo and NCCL alike; a collective that never completes among live workers, within
+So a stopped worker ends the job within --heartbeat-timeout-seconds + 2 x HEARTBEAT_SECONDS (detection), plus
+torchrun's 30 s SIGTERM grace when it runs on another machine than its watcher, on gloo and NCCL alike; a collective that never completes among live workers, within
 --distributed-timeout-minutes (the backend's timeout) or --step-timeout-minutes, whichever is shorter. The heartbeat uses a client of the rendezvous store (under
 torchrun the agent hosts it, so it answers while any worker is stopped); keys are under the attempt's prefix.
 """
@@ -24,6 +25,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
+import socket
 import sys
 import threading
 import time
@@ -32,6 +35,7 @@ from typing import Dict, List, Optional, Tuple
 import torch.distributed as dist
 
 HEARTBEAT_SECONDS = 2.0  # how often a worker publishes its heartbeat and reads the others'
+_HOST = socket.gethostname()
 
 
 class Watchdog:
@@ -82,7 +86,8 @@ class Watchdog:
         self._beat += 1
         self.store.set(self._key(self.rank), json.dumps({
             "beat": self._beat, "iteration": self._iteration, "phase": self._phase, "done": done,
-            "in_phase_s": round(time.monotonic() - self._marked, 1)}))
+            "in_phase_s": round(time.monotonic() - self._marked, 1), "host": _HOST, "pid": os.getpid(),
+            "ppid": os.getppid()}))
 
     def _run(self) -> None:
         next_check = time.monotonic() + self.every_s
@@ -150,7 +155,17 @@ class Watchdog:
 
     def _end(self, message: str, blamed: List[int]) -> None:
         """Say why and exit with status 1: torchrun then stops the other workers (the main thread is blocked in a
-        collective or a stalled step: it cannot be unwound)."""
+        collective or a stalled step: it cannot be unwound). A blamed worker started by the same torchrun agent on
+        this machine (same host, same parent) is killed first: a stopped process takes only SIGKILL, which torchrun
+        sends 30 s after its SIGTERM."""
+        for r in blamed:
+            rec = self._records.get(r, {})
+            if r != self.rank and rec.get("host") == _HOST and rec.get("ppid") == os.getppid() and rec.get("pid"):
+                try:
+                    os.kill(rec["pid"], signal.SIGKILL)
+                    message += f"; rank {r} (pid {rec['pid']}, this machine) killed"
+                except OSError:
+                    pass
         print(f"error: hang detected by rank {self.rank}: {message}. Ending the job (exit status 1); torchrun stops "
               "the remaining workers.", file=sys.stderr, flush=True)
         sys.stdout.flush()

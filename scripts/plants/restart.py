@@ -78,3 +78,11 @@ PLANTS += [
          property="--async-save with ZeRO-2 is refused in words",
          tests=["tests/test_async_save.py::test_async_save_with_zero_2_is_refused_in_words"]),
 ]
+
+PLANTS += [
+    dict(name="hang-stopped-local-worker-left-to-torchrun", file="megatron_patch/parallel/watchdog.py",
+         original="                    os.kill(rec[\"pid\"], signal.SIGKILL)\n",
+         replacement="                    pass\n",
+         property="the watcher kills a stopped worker of its own machine and agent at once (no 30 s SIGTERM grace)",
+         tests=[STOPPED]),
+]
