@@ -43,6 +43,7 @@ def _last_per_iteration(lines):
     return {x["iteration"]: x["loss"] for x in lines if "loss" in x}
 
 
+@pytest.mark.slow  # CI time: the default lane's kill-and-restart guard is the --async-save one below (same restart path)
 def test_killed_worker_restarts_and_finishes_like_an_uninterrupted_run(tmp_path, straight):
     proc, lines = _torchrun(tmp_path / "faulty", 1, {"FAULT_AT": "3"}, *ARGS, "--save", str(tmp_path / "faulty" / "ck"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
