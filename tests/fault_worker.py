@@ -1,7 +1,7 @@
 """A pretraining worker that dies: pretrain_megatron_gpt.py's main, except that the worker of rank FAULT_RANK (1) kills
 itself with SIGKILL (no clean-up, as a crashed or OOM-killed process) just before training iteration FAULT_AT + 1,
 on the first attempt only, or on every attempt with FAULT_EVERY_ATTEMPT=1. FAULT_SIGNAL=SIGSTOP stops it instead (a
-hung worker); FAULT_STAMP=FILE records the time and the pid. FAULT_SLOW_SAVE=N (with --async-save): the background
+hung worker), FAULT_SIGNAL=LOOP keeps it busy forever (alive, no progress); FAULT_STAMP=FILE records the time and the pid. FAULT_SLOW_SAVE=N (with --async-save): the background
 write of iteration N's checkpoint never ends on the first attempt (the fault then strikes during that save). Run under torchrun by
 tests/test_restart.py.
 
@@ -34,6 +34,9 @@ def main() -> int:
                     f.write(f"{time.time()} {os.getpid()}")
             if os.environ.get("FAULT_SIGNAL") == "SIGSTOP":
                 time.sleep(0.5)  # a hang inside the step, not at its first instruction
+            if os.environ.get("FAULT_SIGNAL") == "LOOP":  # alive (its heartbeat goes on) but never reaches the step
+                while True:
+                    time.sleep(0.1)
             os.kill(os.getpid(), getattr(signal, os.environ.get("FAULT_SIGNAL", "SIGKILL")))
         return step(self, iterator)
 

@@ -103,3 +103,23 @@ def test_a_stopped_worker_ends_the_job_naming_its_rank(tmp_path):
     assert ended - float(stopped_at) < bound + 8  # + the launcher's own exit
     with pytest.raises(ProcessLookupError):  # the stopped worker was killed, not left behind
         os.kill(int(pid), 0)
+
+
+@pytest.mark.slow
+def test_a_rank_that_never_reaches_the_collective_ends_the_job_after_the_step_timeout(tmp_path):
+    """(~25 s.) Rank 1 loops forever before iteration 4 (alive: its heartbeat goes on); rank 0 waits in the step's
+    collective. --step-timeout-minutes 0.2 (12 s) ends the job, non-zero, naming the ranks' positions."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts", "0",
+           "--master-port", str(free_port()), os.path.join(ROOT, "tests", "fault_worker.py"), *TINY,
+           "--train-iters", "50", "--eval-iters", "0", "--step-timeout-minutes", "0.2", "--heartbeat-timeout-seconds",
+           "60", "--distributed-timeout-minutes", "5"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", FAULT_AT="3", FAULT_SIGNAL="LOOP",
+               FAULT_STAMP=str(tmp_path / "fault"))
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), timeout=240, env=env)
+    ended = time.time()
+    stopped_at, _ = (tmp_path / "fault").read_text().split()
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert re.search(r"error: hang detected by rank [01]: rank [01] has spent longer than --step-timeout-minutes 0.2 "
+                     r"in iteration 4, train step for 1\d s; rank [01] reports iteration 4, train step", out), out[-3000:]
+    assert ended - float(stopped_at) < 12 + 2 * 2 + 35  # the timeout, two heartbeats, torchrun's SIGTERM grace
