@@ -1,6 +1,7 @@
 """One process of tests/test_gpu.py's host-synchronisation check: the engine's Trainer, as pretrain_megatron_gpt.py
-runs it, with every training step after the first STEPS_EAGER run under torch.cuda.set_sync_debug_mode("error"):
-any operation that makes the host wait for the GPU raises there, and the first one's Python stack is written to OUT.
+runs it, with every training step after the first STEPS_EAGER run under torch.cuda.set_sync_debug_mode("warn"):
+every operation that makes the host wait for the GPU warns there; the first one's Python stack and up to 12 distinct
+ones are written to OUT.
 
     python tests/sync_free_worker.py OUT.json <engine flags>
 """
@@ -10,6 +11,7 @@ import json
 import os
 import sys
 import traceback
+import warnings
 
 import torch
 
@@ -23,7 +25,7 @@ def main(out: str, argv) -> None:
     from megatron_patch.parallel import destroy
     from megatron_patch.training.loop import Trainer
 
-    result = {"checked_steps": 0, "sync": None}
+    result = {"checked_steps": 0, "sync": None, "sites": []}
     try:
         trainer = Trainer(parse_args(list(argv)))
         trainer.defer_step_metrics = True  # the metrics of a step are read after the next is queued (as on a GPU)
@@ -31,16 +33,26 @@ def main(out: str, argv) -> None:
 
         def checked_step(iterator):
             calls[0] += 1
-            if calls[0] <= STEPS_EAGER or result["sync"] is not None:
+            if calls[0] <= STEPS_EAGER:
                 return step(iterator)
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode("warn")
+            shown = warnings.showwarning
+
+            def record(message, *a, **k):  # every distinct place that synchronised, its Python stack
+                if "synchronizing CUDA operation" in str(message):
+                    site = f"{message}\n" + "".join(traceback.format_stack()[-9:-1])
+                    result["sync"] = result["sync"] or site
+                    if site not in result["sites"] and len(result["sites"]) < 12:
+                        result["sites"].append(site)
+                else:
+                    shown(message, *a, **k)
             try:
-                metrics = step(iterator)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("always")
+                    warnings.showwarning = record
+                    metrics = step(iterator)
                 result["checked_steps"] += 1
                 return metrics
-            except RuntimeError as e:
-                result["sync"] = f"{e}\n" + "".join(traceback.format_tb(e.__traceback__)[-8:])
-                raise
             finally:
                 torch.cuda.set_sync_debug_mode("default")
 

@@ -42,6 +42,7 @@ class MoEMetrics:
         self.cfg = cfg
         # On the device the routers run on: the counts add up there without a host sync, and NCCL reduces them.
         self.counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device=current_device())
+        self._layers = torch.tensor(cfg.moe_layers(), device=current_device())  # the MoE layers' rows of counts
         for chunk in model:
             for module in chunk.modules():
                 if isinstance(module, Router):
@@ -74,7 +75,7 @@ class MoEMetrics:
         # Routers are replicated over DP (expert parallelism is carved out of DP) and split over PP stages.
         counts = counts.clone()
         dist.all_reduce(counts)
-        per_layer = counts[cfg.moe_layers()]
+        per_layer = counts.index_select(0, self._layers)  # (a list index would copy itself to the GPU every step)
         out["moe_tokens_per_expert"] = per_layer
         mean = per_layer.double().mean(dim=1).clamp(min=1)
         out["moe_max_load"] = (per_layer.max(dim=1).values / mean).max()
