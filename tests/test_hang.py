@@ -50,6 +50,7 @@ def test_a_beating_rank_is_not_named_and_a_finished_rank_is_not_expected():
         w1._publish()
         assert w0._verdict() is None
     w1.stop()  # finished: its heartbeat stops for good
+    assert w0._verdict() is None  # (its last record, "done", is read)
     time.sleep(0.7)
     assert w0._verdict() is None
 
