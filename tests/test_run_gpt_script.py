@@ -138,14 +138,18 @@ def test_run_gpt_sh_refuses_bad_data_before_launch(tmp_path):
 
 
 def test_run_llama_sh_with_tensor_parallel(tmp_path, gpt_demo):
-    """run_llama.sh at TP2 on the demo data (the gpt_demo run built it)."""
+    """run_llama.sh at TP2 on the demo data (the gpt_demo run built it), with MAX_RESTARTS."""
     env = dict(os.environ, TRAIN_ITERS="10", LOG_INTERVAL="5", EVAL_INTERVAL="10", OUTPUT=str(tmp_path / "out"),
-               DEMO_DIR=str(gpt_demo.demo), GPUS="2", TP="2", PYTHONWARNINGS="ignore")
+               DEMO_DIR=str(gpt_demo.demo), GPUS="2", TP="2", PYTHONWARNINGS="ignore", MAX_RESTARTS="2")
     proc = subprocess.run(["bash", os.path.join(ROOT, "pretrain_scripts", "run_llama.sh"), "--save-interval", "5"],
                           capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "model: llama" in proc.stdout and "TP 2 PP 1 DP 1" in proc.stdout
     assert (tmp_path / "out" / "checkpoints" / "iter_0000005").is_dir()
+    # MAX_RESTARTS reaches torchrun (--max-restarts), and the run says what ends a hung job
+    assert ("fault tolerance: the job ends when a worker sends no heartbeat for 60 s (--heartbeat-timeout-seconds) or "
+            "a collective waits 10 min (--distributed-timeout-minutes); torchrun restarts it up to 2 time(s) "
+            "(MAX_RESTARTS, --max-restarts), resuming from --save") in proc.stdout, proc.stdout[-3000:]
 
 
 @pytest.mark.slow  # CI time; --load-hf itself is in the fast conversion training tests

@@ -84,8 +84,8 @@ def initialize(cfg: Config) -> Config:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     start_process_group(timeout_minutes=cfg.distributed_timeout_minutes)
-    start_watchdog(cfg.heartbeat_timeout_seconds,
-                   cfg.step_timeout_minutes * 60 if cfg.step_timeout_minutes else None)
+    if start_watchdog(cfg.heartbeat_timeout_seconds, cfg.step_timeout_minutes * 60 if cfg.step_timeout_minutes else None):
+        print_rank_0(_fault_tolerance(cfg))
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
@@ -100,6 +100,17 @@ def initialize(cfg: Config) -> Config:
     torch.manual_seed(seed)
     model_parallel_cuda_manual_seed(seed)
     return cfg
+
+
+def _fault_tolerance(cfg: Config) -> str:
+    """One line: what ends a hung or dead worker's job, and how often torchrun restarts it."""
+    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    step = (f", a step longer than {cfg.step_timeout_minutes:g} min (--step-timeout-minutes)"
+            if cfg.step_timeout_minutes else "")
+    return (f"fault tolerance: the job ends when a worker sends no heartbeat for {cfg.heartbeat_timeout_seconds:g} s "
+            f"(--heartbeat-timeout-seconds){step} or a collective waits {cfg.distributed_timeout_minutes:g} min "
+            f"(--distributed-timeout-minutes); torchrun restarts it up to {restarts} time(s) (MAX_RESTARTS, "
+            f"--max-restarts){', resuming from --save' if restarts and cfg.save else ''}")
 
 
 def destroy() -> None:

@@ -87,3 +87,10 @@ PLANTS += [
          property="the watcher kills a stopped worker of its own machine and agent at once (no 30 s SIGTERM grace)",
          tests=[STOPPED]),
 ]
+
+PLANTS += [
+    dict(name="launcher-max-restarts-dropped", file="pretrain_scripts/launcher.sh",
+         original='--max-restarts "${MAX_RESTARTS:-0}"', replacement='--max-restarts 0',
+         property="the launchers' MAX_RESTARTS reaches torchrun's --max-restarts",
+         tests=["tests/test_run_gpt_script.py::test_run_llama_sh_with_tensor_parallel"]),
+]
