@@ -160,6 +160,26 @@ def test_dp_size_change_keeps_model_optimizer_and_data_position(tmp_path):
     assert_same_continuation(straight, resumed, 5, rel=1e-5)
 
 
+@pytest.mark.parametrize("zero", [
+    pytest.param(["--zero-1-memory-optimization", "--dist-ckpt-optim-fully-reshardable"], id="zero1_fully_reshardable"),
+    # slow for CI time: the rule that keeps a dense ZeRO-0 run's optimizer state at another TP is in
+    # test_what_a_tp2_checkpoint_restores_at_tp1
+    pytest.param([], marks=pytest.mark.slow, id="zero0")])
+def test_optimizer_state_moves_from_tp2_to_dp2(tmp_path, zero):
+    """ZeRO-1 saved with --dist-ckpt-optim-fully-reshardable (or ZeRO-0) at TP2 x DP1, resumed at TP1 x DP2 with its
+    optimizer state and lr schedule: the continuation of the run that never stopped (fp32, within 1e-5)."""
+    ten = ["--train-iters", "10", "--eval-interval", "5", "--lr", "1e-3", *zero]
+    straight, _ = run_engine(tmp_path / "tp2", 2, *ten, "--tensor-model-parallel-size", "2", "--save",
+                             str(tmp_path / "s"), "--save-interval", "5", torchrun=False)
+    ck = resume_from(tmp_path / "s", 5, tmp_path / "ck")
+    assert json.load(open(ck / "iter_0000005" / "checkpoint.json")).get("optimizer_sharding") == (
+        "fully_reshardable" if zero else None)
+    resumed, proc = run_engine(tmp_path / "dp2", 2, *ten, "--load", str(ck), torchrun=False)
+    assert "'tp': 2" in proc.stdout and "weights resharded" in proc.stdout, proc.stdout[-2000:]
+    assert "optimizer and lr schedule start fresh" not in proc.stdout
+    assert_same_continuation(straight, resumed, 5, rel=1e-5)
+
+
 def test_incomplete_newest_checkpoint_falls_back_to_previous(single, tmp_path):
     d, _, _ = single
     ck = resume_from(d / "ck", 10, tmp_path / "ck")
@@ -242,8 +262,9 @@ except BaseException as e:  # DCP's CheckpointException is a BaseException
 
 
 @pytest.mark.parametrize("name,nproc,layout", [
-    pytest.param("tp1", 1, [], id="tp1"),
-    # slow for CI time (make test-all): the TP1 target keeps resharding in the default lane
+    # slow for CI time (make test-all): in the default lane, TP2 weights resharded to TP1 (x DP2) continue the
+    # uninterrupted run, validation loss included (test_optimizer_state_moves_from_tp2_to_dp2)
+    pytest.param("tp1", 1, [], marks=pytest.mark.slow, id="tp1"),
     pytest.param("tp2pp2", 4, ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
                  marks=pytest.mark.slow, id="tp2pp2")])
 def test_reshard_tp2_checkpoint(tmp_path, name, nproc, layout):
@@ -433,3 +454,29 @@ def test_save_takeover_exits_2_in_one_line_before_launch(single):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stderr.startswith(f"configuration error: --save {d / 'ck'} already holds the checkpoints of another "
                                   f"run (iteration 10; TP 1 there, 2 here)")
+
+
+@pytest.mark.parametrize("zero,world,flags,restored", [
+    (0, 1, [], True),  # without ZeRO the optimizer state follows the model's sharded tensors to any TP/PP
+    (1, 2, ["--zero-1-memory-optimization"], False),  # dp_reshardable: DP changes only
+    (1, 2, ["--zero-1-memory-optimization", "--dist-ckpt-optim-fully-reshardable"], True),
+], ids=["zero0", "zero1", "zero1_fully_reshardable"])
+def test_what_a_tp2_checkpoint_restores_at_tp1(zero, world, flags, restored):
+    """config/resume.py's rule for a dense model's TP2 checkpoint resumed at TP1 (a dense model has no expert layout:
+    the optimizer state of a ZeRO-0 run, or of a fully reshardable ZeRO-1 one, is kept)."""
+    from megatron_patch.config import parse_args
+    from megatron_patch.config.resume import restores
+
+    cfg = parse_args([*TINY, *TEN, *flags]).validate(world)
+    manifest = {"layout": {"tp": 2, "pp": 1, "dp": 1, "vpp": 1, "zero": zero},
+                "contents": ["model", "optimizer", "rng", "scheduler"],
+                **({"optimizer_sharding": "fully_reshardable"} if "--dist-ckpt-optim-fully-reshardable" in flags
+                   else {})}
+    r = restores(manifest, cfg)
+    assert (r.same_model_layout, r.optimizer) == (False, restored)
+
+
+def test_fully_reshardable_needs_zero_1():
+    assert "--dist-ckpt-optim-fully-reshardable is the format of the distributed optimizer's state" in refusal(
+        "--dist-ckpt-optim-fully-reshardable")
+    assert refusal("--dist-ckpt-optim-fully-reshardable", "--zero-1-memory-optimization") == ""

@@ -56,6 +56,25 @@ def test_killed_worker_restarts_and_finishes_like_an_uninterrupted_run(tmp_path,
     assert [got[i] for i in range(1, 7)] == pytest.approx([want[i] for i in range(1, 7)], rel=1e-6)
 
 
+def test_an_attempt_resuming_where_the_one_before_did_says_so(tmp_path, monkeypatch):
+    """config/restart.py's lines: restart 1 resumes from the tracker's iteration; restart 2 from the same one names it
+    (the run fails after it); no checkpoint yet: starting over."""
+    from megatron_patch.config.restart import restart_resume
+
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "2")
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    assert restart_resume(str(tmp_path)) == (None, f"restart 1 of 2 (torchrun --max-restarts): no complete checkpoint "
+                                                   f"in --save {tmp_path} yet, starting over as the first attempt did")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2")
+    assert restart_resume(str(tmp_path)) == (str(tmp_path), "restart 1 of 2 (torchrun --max-restarts): resuming from "
+                                             f"iteration 2, the newest complete checkpoint in {tmp_path}")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")
+    assert restart_resume(str(tmp_path))[1].endswith(
+        "; the attempt before this one resumed from iteration 2 too: the run fails after it")
+
+
+@pytest.mark.slow  # CI time: the lines are checked by the test above, the restart itself by the --async-save kill
 def test_a_run_failing_at_the_same_iteration_stops_when_the_restarts_run_out(tmp_path):
     proc, lines = _torchrun(tmp_path, 2, {"FAULT_AT": "3", "FAULT_EVERY_ATTEMPT": "1"}, *ARGS,
                             "--save", str(tmp_path / "ck"))

@@ -87,7 +87,7 @@ Called at their call sites (not applied globally):
   optimizer.py     replace_torch_optimizer (LAMB into megatron-core's wrappers), use_fused_adam (GPU),
                    fuse_optimizer_step (--optimizer-step-fusion: training/fused_adam.py, built optimizer),
                    set_param_group_lr_range (resuming: training/checkpoint/checkpointer.py, around loading)
-  adam_state.py    fill_empty_adam_state, restore_adam_step, steps_on_param_device (checkpointing)
+  adam_state.py    fill_empty_adam_state, restore_adam_step, steps_on_param_device, steps_kept_out (checkpointing)
   checkpoint_writer.py write_results_in_process (each torch_dist save: training/checkpoint/torch_dist.py)
                    staged_async_write (--async-save: training/checkpoint/async_save.py)
   megatron_fsdp.py use_distributed_params, copy_main_to_model_params, prepare_uneven_dtensor_state (ZeRO-2 checkpoints)

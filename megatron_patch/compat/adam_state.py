@@ -6,6 +6,8 @@ after loading a ZeRO-2 one.
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .registry import register
@@ -87,3 +89,38 @@ def steps_on_param_device(optimizer) -> None:
                 st = inner.state.get(p, {})
                 if torch.is_tensor(st.get("step")):
                     st["step"] = st["step"].to(p.device)
+
+
+@register(upstream=("megatron/core/optimizer/distrib_optimizer.py:DistributedOptimizer._set_main_param_and_optimizer_states",
+                    "megatron/core/optimizer/distrib_optimizer.py:DistributedOptimizer.load_parameter_state_from_fully_reshardable"),
+          fixes="loading a fully_reshardable ZeRO-1 checkpoint copies every tensor of a parameter's optimizer state from "
+                "the checkpoint's per-parameter tensors, which hold the main weight and the moments but not torch "
+                "Adam's tensor `step` (KeyError: 'step'): while loading, a key the checkpoint lacks reads as None, "
+                "which megatron-core skips; restore_adam_step then sets `step` from the param groups",
+          fingerprint="086e797df8da7a7b")
+@contextlib.contextmanager
+def steps_kept_out(optimizer, active: bool = True):
+    """While the block runs, each distributed optimizer of `optimizer` sets a parameter's state only from the tensors
+    the checkpoint has (a missing one, `step`, is left as it is). A no-op when not `active`."""
+    patched = []
+    if active:
+        for member in getattr(optimizer, "chained_optimizers", [optimizer]):
+            original = getattr(member, "_set_main_param_and_optimizer_states", None)
+            if original is None:
+                continue
+
+            def set_states(model_param, tensors, _original=original):
+                return _original(model_param, _NoneForMissing(tensors))
+
+            member._set_main_param_and_optimizer_states = set_states  # this instance only, for this block
+            patched.append(member)
+    try:
+        yield
+    finally:
+        for member in patched:
+            del member._set_main_param_and_optimizer_states
+
+
+class _NoneForMissing(dict):
+    def __missing__(self, key):
+        return None

@@ -304,3 +304,11 @@ def async_save(c: Config) -> Optional[str]:
     if c.async_save and c.zero_2_memory_optimization:
         return ("--async-save writes megatron-core torch_dist checkpoints (ZeRO-0/1); a ZeRO-2 run saves Megatron-FSDP's "
                 "DTensors synchronously: drop --async-save or use --zero-1-memory-optimization")
+
+
+@rule("checkpoint")
+def fully_reshardable_optimizer(c: Config) -> Optional[str]:
+    if c.dist_ckpt_optim_fully_reshardable and c.zero_stage != 1:
+        return ("--dist-ckpt-optim-fully-reshardable is the format of the distributed optimizer's state "
+                "(--zero-1-memory-optimization); without ZeRO the optimizer state follows the model at any layout "
+                "already, ZeRO-2 saves Megatron-FSDP's DTensors: drop it or add --zero-1-memory-optimization")

@@ -206,6 +206,7 @@ class CheckpointConfig:
     use_checkpoint_opt_param_scheduler: bool = False
     keep_last_n: Optional[int] = None
     async_save: bool = False  # write checkpoints in a background thread (training/checkpoint/async_save.py)
+    dist_ckpt_optim_fully_reshardable: bool = False  # ZeRO-1 optimizer state that loads at any TP/PP (torch_dist.py)
 
 
 @dataclass(frozen=True)

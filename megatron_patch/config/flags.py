@@ -430,6 +430,9 @@ FLAGS: Tuple[Flag, ...] = (
         _f("--use-checkpoint-opt-param-scheduler", STORE_TRUE, ALL, "pretraining, resuming with --load: keep the "
            "checkpoint's learning-rate schedule, whatever this run's schedule flags say"),
         _f("--keep-last-n", int, ENGINE, "after each save, delete all but the newest N complete checkpoints"),
+        _f("--dist-ckpt-optim-fully-reshardable", STORE_TRUE, ENGINE, "ZeRO-1: save the distributed optimizer's state "
+           "per parameter (Megatron-LM's flag), so a resume at another TP/PP/DP size keeps it (dense models); each "
+           "model-parallel group's data-parallel rank 0 gathers its state at a save (more memory and time there)"),
         _f("--async-save", STORE_TRUE, ENGINE, "write checkpoints in the background (Megatron-LM's flag): a save stalls "
            "training only to plan it and copy this rank's state to host memory; the checkpoint is published (manifest, "
            "tracker) once every rank has written it, so a crash meanwhile leaves the previous one the newest (ZeRO-0/1)"),

@@ -63,10 +63,13 @@ def restores(manifest: Dict, cfg: Config) -> Restore:
     # Expert weights are global tensors too (any EP/ETP loads them), but megatron-core keeps the experts'
     # optimizer state apart (a ChainedOptimizer, sharded over expert-DP) once EP > 1 or ETP != TP, so
     # that state moves with neither.
-    same_expert_layout = _expert_layout(saved) == _expert_layout(mine)
+    same_expert_layout = _expert_layout(saved) == _expert_layout(mine) or not cfg.num_experts  # (dense: none)
     same_model_layout = all(saved[k] == mine[k] for k in ("tp", "pp", "vpp")) and same_expert_layout
-    # The distributed optimizer's shards follow DP size changes only; without ZeRO they follow the model.
-    optimizer_fits = saved["zero"] == mine["zero"] and same_expert_layout and (same_model_layout or mine["zero"] == 0)
+    # The distributed optimizer's shards follow DP size changes only (dp_reshardable), or any TP/PP of a dense model
+    # when saved fully_reshardable; without ZeRO they follow the model.
+    fully = manifest.get("optimizer_sharding") == "fully_reshardable"
+    optimizer_fits = saved["zero"] == mine["zero"] and same_expert_layout and (
+        same_model_layout or mine["zero"] == 0 or fully)
     return Restore(model_only, same_model_layout, optimizer_fits,
                    optimizer=optimizer_fits and not model_only and not cfg.no_load_optim, starts_lora=starts_lora)
 

@@ -43,5 +43,5 @@ PLANTS = [
          replacement="            self._config = engine_config(self.args).validate(1)",
          property="the PreTrainer's run context (MegatronRun, no module globals) validates the Megatron model's "
                   "configuration for the run's world size, so GPTModel() builds this rank's stage of the TP x PP layout",
-         tests=["tests/test_pretrainer.py::test_megatron_gpt_sample_equals_the_engine_at_tp2_pp2_zero2_recompute"]),
+         tests=["tests/test_pretrainer.py::test_megatron_gpt_sample_equals_the_engine[tp2_zero2_recompute]"]),
 ]

@@ -3,7 +3,7 @@ fail."""
 RESTART = "tests/test_restart.py"
 # the default lane's kill-and-restart test (a kill during an --async-save write; the plain one is slow)
 KILLED = f"{RESTART}::test_a_worker_killed_during_an_async_save_resumes_from_the_previous_checkpoint"
-GIVE_UP = f"{RESTART}::test_a_run_failing_at_the_same_iteration_stops_when_the_restarts_run_out"
+GIVE_UP = f"{RESTART}::test_an_attempt_resuming_where_the_one_before_did_says_so"
 
 PLANTS = [
     dict(name="restart-does-not-resume", file="megatron_patch/config/restart.py",
@@ -93,4 +93,25 @@ PLANTS += [
          original='--max-restarts "${MAX_RESTARTS:-0}"', replacement='--max-restarts 0',
          property="the launchers' MAX_RESTARTS reaches torchrun's --max-restarts",
          tests=["tests/test_run_gpt_script.py::test_run_llama_sh_with_tensor_parallel"]),
+]
+
+# Optimizer state at another TP (issue 32, item 5, dense ZeRO-0/1)
+RESHARD = "tests/test_engine_checkpoint.py"
+PLANTS += [
+    dict(name="fully-reshardable-step-key-error", file="megatron_patch/training/checkpoint/torch_dist.py",
+         original="steps_kept_out(optimizer, optim_sharding == FULLY_RESHARDABLE)",
+         replacement="steps_kept_out(optimizer, False)",
+         property="a fully reshardable ZeRO-1 checkpoint loads (torch Adam's step is not in its per-parameter tensors)",
+         tests=[f"{RESHARD}::test_optimizer_state_moves_from_tp2_to_dp2[zero1_fully_reshardable]"]),
+    dict(name="fully-reshardable-not-recorded", file="megatron_patch/config/resume.py",
+         original='    fully = manifest.get("optimizer_sharding") == "fully_reshardable"',
+         replacement="    fully = False",
+         property="a fully reshardable ZeRO-1 checkpoint keeps its optimizer state at another TP",
+         tests=[f"{RESHARD}::test_optimizer_state_moves_from_tp2_to_dp2[zero1_fully_reshardable]",
+                f"{RESHARD}::test_what_a_tp2_checkpoint_restores_at_tp1"]),
+    dict(name="dense-model-held-to-an-expert-layout", file="megatron_patch/config/resume.py",
+         original="_expert_layout(saved) == _expert_layout(mine) or not cfg.num_experts",
+         replacement="_expert_layout(saved) == _expert_layout(mine)",
+         property="a dense model's ZeRO-0 optimizer state follows a TP change (no expert layout to match)",
+         tests=[f"{RESHARD}::test_what_a_tp2_checkpoint_restores_at_tp1"]),
 ]

@@ -54,6 +54,9 @@ class Checkpointer(SaveSchedule):
         apply_safe_loading()
         self.format = fsdp_dtensor.FORMAT if cfg.zero_2_memory_optimization else torch_dist.FORMAT
         self.backend = BACKENDS[self.format]
+        # the distributed optimizer's format (ZeRO-1; torch_dist.py), recorded in the manifest
+        self.optim_sharding = (torch_dist.FULLY_RESHARDABLE if cfg.dist_ckpt_optim_fully_reshardable
+                               else torch_dist.DP_RESHARDABLE) if cfg.zero_stage == 1 else None
         self.async_saver = None
         if cfg.async_save and cfg.save:
             from .async_save import AsyncSaver
@@ -72,13 +75,16 @@ class Checkpointer(SaveSchedule):
         entries = lambda: {**state.saved(), "format": self.format, "layout": layout(self.cfg),  # noqa: E731
                            "contents": ["model"] if model_only else ["model", "optimizer", "rng", "scheduler"],
                            "scheduler": None if model_only else self.scheduler.state_dict(),
-                           "config": self.cfg.to_flat(), "model": self.model_info, "versions": _versions()}
+                           "config": self.cfg.to_flat(), "model": self.model_info, "versions": _versions(),
+                           **({"optimizer_sharding": self.optim_sharding} if self.optim_sharding and not model_only
+                              else {})}
         self.last_saved = state.iteration
         if self.async_saver is not None and not consume_model:
             return self._save_async(state.iteration, root, entries())  # the entries as of this iteration
         final = write_checkpoint(
             root, state.iteration,
-            lambda tmp: self.backend.save(tmp, self.model, self.optimizer, consume_model=consume_model),
+            lambda tmp: self.backend.save(tmp, self.model, self.optimizer, consume_model=consume_model,
+                                          **self._sharding(self.optim_sharding)),
             entries, self.cfg.keep_last_n)
         _print0(f"saved checkpoint {final}")
         return final
@@ -86,7 +92,8 @@ class Checkpointer(SaveSchedule):
     def _save_async(self, iteration: int, root: str, entries: Dict) -> str:
         self.finish()  # one save in flight: the previous one is published first
         t0 = time.time()
-        request = self.backend.save_async(begin_checkpoint(root, iteration), self.model, self.optimizer)
+        request = self.backend.save_async(begin_checkpoint(root, iteration), self.model, self.optimizer,
+                                          **self._sharding(self.optim_sharding))
 
         def publish() -> str:
             return publish_checkpoint(root, iteration, lambda: entries, self.cfg.keep_last_n)
@@ -95,6 +102,10 @@ class Checkpointer(SaveSchedule):
         _print0(f"checkpoint {checkpoint_dir(root, iteration)}: planned and staged in {time.time() - t0:.2f} s, "
                 "writing in the background (--async-save)")
         return checkpoint_dir(root, iteration)
+
+    def _sharding(self, optim_sharding: Optional[str]) -> Dict:
+        """The backend's keyword for the distributed optimizer's format (torch_dist only)."""
+        return {"optim_sharding": optim_sharding} if self.format == torch_dist.FORMAT and optim_sharding else {}
 
     def poll(self) -> None:
         """--async-save: publish the checkpoint being written once every rank has written its files (collective;
@@ -146,7 +157,8 @@ class Checkpointer(SaveSchedule):
         try:
             safe_loading.check_metadata(path)  # DCP itself would swallow the refusal into "metadata is None"
             self.backend.load(path, self.model, self.optimizer, load_optimizer=load_optimizer,
-                              load_rng=same_model_layout and not model_only, without_adapters=restore.starts_lora)
+                              load_rng=same_model_layout and not model_only, without_adapters=restore.starts_lora,
+                              **self._sharding(manifest.get("optimizer_sharding", torch_dist.DP_RESHARDABLE)))
         except (pickle.UnpicklingError, CheckpointException) as e:
             refused = directory.refused_unpickling(e)  # raised by the safe-loading patches (megatron_patch.compat.safe_loading)
             if refused is None:
@@ -171,8 +183,9 @@ class Checkpointer(SaveSchedule):
             notes.append("it holds weights only (e.g. converted from Hugging Face): optimizer, lr schedule and RNG "
                          "start fresh")
         elif not optimizer_fits and not self.cfg.no_load_optim:
-            notes.append("the optimizer state does not fit this layout (ZeRO-1 state moves between DP sizes only, "
-                         "and not between ZeRO stages or expert layouts): optimizer and lr schedule start fresh")
+            notes.append("the optimizer state does not fit this layout (ZeRO-1 state moves between DP sizes only, unless "
+                         "saved with --dist-ckpt-optim-fully-reshardable, and not between ZeRO stages or expert "
+                         "layouts): optimizer and lr schedule start fresh")
         if restore.starts_lora:
             _print0(f"loaded the base weights of {path} (iteration {iteration}) for LoRA: adapters, optimizer, "
                     f"learning-rate schedule and data start fresh at iteration 0")

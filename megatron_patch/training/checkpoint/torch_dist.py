@@ -14,14 +14,17 @@ from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import apply_factories
 
-from megatron_patch.compat.adam_state import fill_empty_adam_state, restore_adam_step
+from megatron_patch.compat.adam_state import fill_empty_adam_state, restore_adam_step, steps_kept_out
 from megatron_patch.compat.checkpoint_writer import write_results_in_process
 from megatron_patch.config.lora_targets import is_adapter
 
 from . import rng
 
 FORMAT = "torch_dist"
-OPT_METADATA = {"distrib_optim_sharding_type": "dp_reshardable"}
+# The distributed optimizer's (ZeRO-1) checkpoint format: dp_reshardable (its buffers' shards as they are: fully
+# parallel, loads at another DP size only) or, with --dist-ckpt-optim-fully-reshardable, fully_reshardable (each
+# model-parallel group's DP rank 0 gathers the state per parameter: loads at any TP/PP/DP). Recorded in the manifest.
+DP_RESHARDABLE, FULLY_RESHARDABLE = "dp_reshardable", "fully_reshardable"
 
 
 def unwrap(m):
@@ -59,15 +62,19 @@ def _own_storage_then_free(state: Dict, model: List) -> None:
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
 
-def _state(model: List, optimizer) -> Dict:
+def _metadata(optim_sharding: str) -> Dict:
+    return {"distrib_optim_sharding_type": optim_sharding}
+
+
+def _state(model: List, optimizer, optim_sharding: str) -> Dict:
     state = _model_state(model)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=OPT_METADATA)
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=_metadata(optim_sharding))
         state["rng_state"] = rng.sharded(rng.capture())
     return state
 
 
-def save(path: str, model: List, optimizer, consume_model: bool = False) -> None:
+def save(path: str, model: List, optimizer, consume_model: bool = False, optim_sharding: str = DP_RESHARDABLE) -> None:
     """Write this rank's part of the checkpoint into `path` (collective). Without an optimizer (a converted
     model) only the weights are written: no optimizer state, no RNG streams. `consume_model` (a conversion,
     whose model is not used again) frees parameters while saving, so the peak stays at one model copy."""
@@ -75,20 +82,22 @@ def save(path: str, model: List, optimizer, consume_model: bool = False) -> None
     if consume_model:
         _own_storage_then_free(state, model)
     if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=OPT_METADATA)
+        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=_metadata(optim_sharding))
         state["rng_state"] = rng.sharded(rng.capture())
     write_results_in_process()  # not megatron-core's Manager process, spawned at the first save of each rank
     dist_checkpointing.save(state, path)
 
 
-def save_async(path: str, model: List, optimizer):
+def save_async(path: str, model: List, optimizer, optim_sharding: str = DP_RESHARDABLE):
     """--async-save: plan this rank's part of the checkpoint into `path` (collective) and return megatron-core's
     AsyncRequest; its writes (async_save.py runs them) and finalisation come later."""
     write_results_in_process()  # the background thread is of this process: the queue of this process serves it
-    return dist_checkpointing.save(_state(model, optimizer), path, async_sharded_save=True, async_strategy="mcore")
+    return dist_checkpointing.save(_state(model, optimizer, optim_sharding), path, async_sharded_save=True,
+                                   async_strategy="mcore")
 
 
-def load(path: str, model: List, optimizer, load_optimizer: bool, load_rng: bool, without_adapters: bool = False) -> None:
+def load(path: str, model: List, optimizer, load_optimizer: bool, load_rng: bool, without_adapters: bool = False,
+         optim_sharding: str = DP_RESHARDABLE) -> None:
     """Read weights (resharded to this layout), optionally the optimizer state and the RNG streams.
     `without_adapters`: the checkpoint has no LoRA adapters (a base model for a LoRA run): they keep their init."""
     state = _model_state(model)
@@ -96,7 +105,7 @@ def load(path: str, model: List, optimizer, load_optimizer: bool, load_rng: bool
         state = {k: {n: t for n, t in v.items() if not is_adapter(n)} for k, v in state.items()}
     if load_optimizer:
         fill_empty_adam_state(optimizer)  # megatron-core builds the dict it loads into from this state
-        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=OPT_METADATA)
+        state["optimizer"] = optimizer.sharded_state_dict(state, is_loading=True, metadata=_metadata(optim_sharding))
     if load_rng:
         state["rng_state"] = rng.sharded(None)
     loaded = dist_checkpointing.load(state, path)
@@ -107,7 +116,7 @@ def load(path: str, model: List, optimizer, load_optimizer: bool, load_rng: bool
             raise RuntimeError(f"{path}: the model lacks {unexpected[:3]} / the checkpoint lacks "
                                f"{[k for k in missing if not is_adapter(k)][:3]}")
     if load_optimizer:
-        with torch.no_grad():
+        with torch.no_grad(), steps_kept_out(optimizer, optim_sharding == FULLY_RESHARDABLE):
             optimizer.load_state_dict(loaded["optimizer"])
         restore_adam_step(optimizer, loaded["optimizer"])
     elif hasattr(optimizer, "reload_model_params"):
