@@ -73,6 +73,26 @@ def test_a_step_past_the_step_timeout_is_named_with_the_neighbours_position():
     assert w1._verdict()[1] == [1]
 
 
+def test_a_store_gone_with_a_finished_rank_0_is_given_the_heartbeat_timeout():
+    """Without torchrun rank 0 hosts the store: when it finishes first, a worker still finishing must not end the job
+    for a missing store at once; only a store silent for the heartbeat timeout does."""
+    class Gone:
+        def set(self, *a):
+            raise RuntimeError("Connection reset by peer")
+
+        check = get = set
+
+    w = Watchdog(Gone(), 1, 2, heartbeat_timeout_s=0.6, every_s=0.05)
+    ended = []
+    w._end = lambda message, blamed: (ended.append(message), w._done.set())
+    w._thread.start()
+    time.sleep(0.3)
+    assert not ended  # within the timeout (the worker's own stop() would end the thread quietly)
+    time.sleep(0.7)
+    w._done.set()
+    assert ended and "has not answered for" in ended[0], ended
+
+
 @pytest.mark.parametrize("flags, words", [
     (["--heartbeat-timeout-seconds", "120", "--distributed-timeout-minutes", "1"],
      "--heartbeat-timeout-seconds 120 is not shorter than --distributed-timeout-minutes 1"),

@@ -55,6 +55,7 @@ class Watchdog:
         self._seen: Dict[int, Tuple[int, float]] = {}  # rank -> (its last beat counter, when it changed, our clock)
         self._records: Dict[int, dict] = {}
         self._started = time.monotonic()
+        self._store_lost: Optional[float] = None  # since when the store has not answered
         self._done, self._wake = threading.Event(), threading.Event()
         self._thread = threading.Thread(target=self._run, name="megatron_patch-watchdog", daemon=True)
 
@@ -102,12 +103,18 @@ class Watchdog:
                 if time.monotonic() >= next_check:
                     next_check = time.monotonic() + self.every_s
                     verdict = self._verdict()
-            except Exception as e:  # the store stopped answering (its host stopped) or a finished rank 0 took it
+                self._store_lost = None
+            except Exception as e:  # the store stopped answering: its host stopped, or a finished rank 0 took it
                 if self._done.is_set() or any(r.get("done") for r in self._records.values()):
                     return
-                verdict = (f"the rendezvous store at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')} "
-                           f"does not answer ({type(e).__name__}: {e}); the worker hosting it (rank 0 without "
-                           f"torchrun) may be stopped", [])
+                # A rank 0 that finished first (without torchrun it hosts the store) takes the store with it while
+                # this worker is still finishing: only a store silent for the heartbeat timeout ends the job.
+                self._store_lost = self._store_lost or time.monotonic()
+                if time.monotonic() - self._store_lost > self.heartbeat_timeout_s:
+                    verdict = (f"the rendezvous store at {os.environ.get('MASTER_ADDR')}:"
+                               f"{os.environ.get('MASTER_PORT')} has not answered for "
+                               f"{time.monotonic() - self._store_lost:.0f} s ({type(e).__name__}: {e}); the worker "
+                               "hosting it (rank 0 without torchrun) may be stopped", [])
             if verdict is not None and not self._done.is_set():
                 self._end(*verdict)
 

@@ -115,3 +115,11 @@ PLANTS += [
          property="a dense model's ZeRO-0 optimizer state follows a TP change (no expert layout to match)",
          tests=[f"{RESHARD}::test_what_a_tp2_checkpoint_restores_at_tp1"]),
 ]
+
+PLANTS += [
+    dict(name="hang-store-gone-ends-at-once", file="megatron_patch/parallel/watchdog.py",
+         original="                if time.monotonic() - self._store_lost > self.heartbeat_timeout_s:",
+         replacement="                if True:",
+         property="a store gone with a finished rank 0 does not end a worker that is still finishing",
+         tests=[f"{HANG}::test_a_store_gone_with_a_finished_rank_0_is_given_the_heartbeat_timeout"]),
+]
