@@ -63,11 +63,12 @@ def references(tmp_path_factory, tiny_reference):
 
 
 # Slow for CI time (make test-all runs them); each property stays in the default lane through another layout:
-# tp2 (TP2 is in tp2_pp2, the MoE tp2_ep2 and the PreTrainer parity test), pp2 (in pp2_vpp2, tp2_pp2), tp2_dp2_zero2
+# tp2 and tp2_pp2 (TP2: the MoE tp2_ep2, the PreTrainer parity test at TP2, test_engine_checkpoint's TP2 resume;
+# PP with several micro batches: pp2_vpp2), pp2 (in pp2_vpp2, tp2_pp2), tp2_dp2_zero2
 # (TP2 + ZeRO-2 is in the PreTrainer parity test), dp2 (DP: dp2_zero1), pp2_dp2_zero2 (PP + ZeRO-2: test_pretrainer's
 # TP2 x PP2 ZeRO-2 run against the engine), tp2_pp2_dp2_zero1 (8 processes, about a minute: TP x PP in tp2_pp2,
 # DP x ZeRO-1 in dp2_zero1).
-SLOW = ("tp2", "tp2_sp", "pp2", "tp2_dp2_zero2", "dp2", "pp2_dp2_zero2", "tp2_pp2_dp2_zero1")
+SLOW = ("tp2", "tp2_sp", "pp2", "tp2_dp2_zero2", "dp2", "pp2_dp2_zero2", "tp2_pp2_dp2_zero1", "tp2_pp2")
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow if n in SLOW else ()) for n in LAYOUTS])
