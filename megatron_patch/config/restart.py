@@ -29,6 +29,11 @@ def restart_count() -> int:
     return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
 
 
+def max_restarts() -> int:
+    """torchrun's --max-restarts for this job (0 without torchrun)."""
+    return int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+
+
 def _tracked_iteration(save: str) -> Optional[int]:
     try:
         with open(os.path.join(save, TRACKER)) as f:

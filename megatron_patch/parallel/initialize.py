@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from megatron_patch import compat
 from megatron_patch.config import Config
-from megatron_patch.config.restart import restart_count
+from megatron_patch.config.restart import max_restarts, restart_count
 from megatron_patch.ports import free_port
 
 from .watchdog import start_watchdog, stop_watchdog
@@ -104,7 +104,7 @@ def initialize(cfg: Config) -> Config:
 
 def _fault_tolerance(cfg: Config) -> str:
     """One line: what ends a hung or dead worker's job, and how often torchrun restarts it."""
-    restarts = int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") or 0)
+    restarts = max_restarts()
     step = (f", a step longer than {cfg.step_timeout_minutes:g} min (--step-timeout-minutes)"
             if cfg.step_timeout_minutes else "")
     return (f"fault tolerance: the job ends when a worker sends no heartbeat for {cfg.heartbeat_timeout_seconds:g} s "

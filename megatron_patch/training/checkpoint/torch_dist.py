@@ -66,8 +66,11 @@ def _metadata(optim_sharding: str) -> Dict:
     return {"distrib_optim_sharding_type": optim_sharding}
 
 
-def _state(model: List, optimizer, optim_sharding: str) -> Dict:
+def _state(model: List, optimizer, optim_sharding: str, consume_model: bool = False) -> Dict:
+    """This rank's sharded state dict: the weights, and with an optimizer its state and the RNG streams."""
     state = _model_state(model)
+    if consume_model:
+        _own_storage_then_free(state, model)
     if optimizer is not None:
         state["optimizer"] = optimizer.sharded_state_dict(state, metadata=_metadata(optim_sharding))
         state["rng_state"] = rng.sharded(rng.capture())
@@ -78,12 +81,7 @@ def save(path: str, model: List, optimizer, consume_model: bool = False, optim_s
     """Write this rank's part of the checkpoint into `path` (collective). Without an optimizer (a converted
     model) only the weights are written: no optimizer state, no RNG streams. `consume_model` (a conversion,
     whose model is not used again) frees parameters while saving, so the peak stays at one model copy."""
-    state = _model_state(model)
-    if consume_model:
-        _own_storage_then_free(state, model)
-    if optimizer is not None:
-        state["optimizer"] = optimizer.sharded_state_dict(state, metadata=_metadata(optim_sharding))
-        state["rng_state"] = rng.sharded(rng.capture())
+    state = _state(model, optimizer, optim_sharding, consume_model)
     write_results_in_process()  # not megatron-core's Manager process, spawned at the first save of each rank
     dist_checkpointing.save(state, path)
 
