@@ -6,6 +6,8 @@
 # flags, so it wins over them, e.g.
 #   TP=2 PP=2 GPUS=8 MODEL_SIZE=1.3b bash pretrain_scripts/run_gpt.sh --bf16 --train-iters 1000
 # MEMORY=one-gpu adds the flags that fit the largest model on one GPU (see below).
+# --plan prints the parallel-layout planner's prediction for these flags on GPUS x NNODES GPUs (memory per rank,
+# step time, and whether it fits a PLAN_GPU: h100-80gb by default, h200, a100-80gb, a100-40gb) and exits.
 # Multi-node: the same command on every node with NNODES, NODE_RANK, MASTER_ADDR, MASTER_PORT set.
 #
 # Defaults that depend on other settings (global batch, warmup, save interval, max positions) are not
@@ -19,6 +21,12 @@
 # WARMUP, LOG_INTERVAL, EVAL_INTERVAL, SAVE_INTERVAL, PRECISION, NNODES, ...) are in launcher.sh.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
+PLAN=0
+KEEP=()
+for arg in "$@"; do
+  if [ "$arg" = --plan ]; then PLAN=1; else KEEP+=("$arg"); fi
+done
+set -- ${KEEP[@]+"${KEEP[@]}"}
 EXTRA=("$@")
 source "$ROOT/pretrain_scripts/launcher.sh"
 
@@ -63,6 +71,10 @@ case "${MEMORY:-}" in
                   --gradient-accumulation-fusion --compile) ;;
   *) echo "configuration error: MEMORY=$MEMORY: the preset is one-gpu (or leave MEMORY unset)" >&2; exit 2 ;;
 esac
+if [ "$PLAN" = 1 ]; then  # the planner reads the model and layout flags; no data is needed
+  exec "$PY" "$ROOT/tools/plan_parallel.py" --gpus $((GPUS * NNODES)) --gpu "${PLAN_GPU:-h100-80gb}" \
+    --engine-flags "$(printf '%q ' "${ARGS[@]}" "$@" --mock-data)"
+fi
 if [ -n "${DATA_PATH:-}" ]; then
   # DATA_PATH may be "prefix" or "w1 prefix1 w2 prefix2"; give the tokenizer through TOKENIZER_ARGS.
   read -r -a DATA_ARGS <<< "$DATA_PATH"

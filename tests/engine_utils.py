@@ -127,6 +127,30 @@ def run_engines_in_one_process(workdir, runs: Dict[str, List[str]], base=TINY):
     return {name: [json.loads(x) for x in open(job["argv"][-1])] for name, job in zip(runs, jobs)}, proc
 
 
+def run_engines_in_one_launch(workdir, nproc: int, runs: Dict[str, List[str]], base=TINY):
+    """run_engines_in_one_process for `nproc` workers of one gloo job: each worker runs every job in turn, each job
+    with a rendezvous port of its own (its process groups are torn down before the next starts). Returns
+    name -> metrics lines (rank 0's)."""
+    jobs = []
+    for name, args in runs.items():
+        os.makedirs(os.path.join(str(workdir), name), exist_ok=True)
+        metrics = os.path.join(str(workdir), name, "metrics.jsonl")
+        if os.path.exists(metrics):
+            os.remove(metrics)
+        jobs.append({"argv": [*base, *args, "--metrics-file", metrics], "cwd": os.path.join(str(workdir), name),
+                     "port": free_port()})
+    path = os.path.join(str(workdir), "engine_jobs.json")
+    with open(path, "w") as f:
+        json.dump(jobs, f)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = _run_workers_directly(nproc, [sys.executable, os.path.abspath(__file__), "--main", path], str(workdir),
+                                 env, 900)
+    if proc.returncode != 0:
+        raise AssertionError(f"engine runs failed ({proc.returncode}): {list(runs)}\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
+    return {name: [json.loads(x) for x in open(job["argv"][-1])] for name, job in zip(runs, jobs)}
+
+
 def run_counting_forwards(workdir, *args: str, base=TINY):
     """Train on one process as run_engine does, but with step metrics deferred as on a GPU; returns (metrics lines,
     {"layer N" / "core_attention N": forward calls in training mode}), N the global layer number from 1. Evaluation runs in eval mode and
@@ -252,6 +276,8 @@ if __name__ == "__main__":  # engine_utils.py --count-forwards JOBS.json (run_co
         for job in json.load(f):
             os.environ.clear()  # the environment of a fresh process (initialize() records its rank and port there)
             os.environ.update(launch_env)
+            if "port" in job:  # run_engines_in_one_launch: every job its own rendezvous
+                os.environ["MASTER_PORT"] = str(job["port"])
             if sys.argv[1] == "--count-forwards":
                 _count_forwards_main(job["counts"], job["argv"])
                 continue

@@ -48,7 +48,7 @@ PACKAGE = "megatron_patch"
 
 LAYERS: List[Tuple[str, ...]] = [
     ("", "compat", "config", "data", "_C", "ports"),  # ports: a root-level module (free_port)
-    ("models", "parallel", "accelerations", "demo"),  # demo: the demo and test corpora (they read data)
+    ("models", "parallel", "accelerations", "demo", "planning"),  # demo: the demo and test corpora (they read data)
     ("training",),
     ("conversion", "templates"),
     ("cli",),

@@ -19,6 +19,8 @@ from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 
 from megatron_patch.config import Config
+from megatron_patch.config.fit import fit_warning
+from megatron_patch.config.memory_model import NotModelled
 from megatron_patch.models import build
 from megatron_patch.models.build import WeightLoader, model_vocab_size, wrap_model
 from megatron_patch.parallel import current_device, initialize, print_rank_0, watchdog
@@ -59,7 +61,8 @@ class Trainer:
         self.tokenizer = tokenizer_from_config(cfg)
         # Data first: a bad --data-path or out-of-vocabulary ids are reported before the model is built.
         self.train_ds, self.valid_ds, self.test_ds = self._build_datasets()
-        vocab = model_vocab_size(cfg, self.tokenizer)
+        vocab = self.vocab_size = model_vocab_size(cfg, self.tokenizer)
+        self._warn_if_too_big(vocab)
         self.model = wrap_model(cfg, self._build_chunks(vocab))
         self.optimizer, self.optimizer_name = build_optimizer(cfg, self.model)
         self.scheduler = build_scheduler(cfg, self.optimizer)
@@ -82,6 +85,17 @@ class Trainer:
     # ---- the parts a template (megatron_patch.templates.pretrain_megatron) replaces -----------------------
     def _initialize(self, cfg: Config) -> Config:
         return initialize(cfg)
+
+    def _warn_if_too_big(self, vocab: int) -> None:
+        """Before any model memory is taken: the planner's memory model against this GPU (one line on rank 0)."""
+        if not torch.cuda.is_available():
+            return
+        try:
+            line = fit_warning(self.cfg, vocab, dist.get_world_size(), torch.cuda.get_device_properties(0).total_memory)
+        except NotModelled:
+            return
+        if line:
+            print_rank_0(line)
 
     def _build_datasets(self):
         return build_datasets(self.cfg, self.tokenizer)
@@ -310,7 +324,14 @@ class Trainer:
         self._check_finite(metrics["loss"])
 
     def _report_memory(self, metrics: Dict[str, float]) -> None:
-        metrics.update({f"bytes_{k}": v for k, v in model_state_bytes(self.model, self.optimizer).items()})
+        mine = model_state_bytes(self.model, self.optimizer)
+        metrics.update({f"bytes_{k}": v for k, v in mine.items()})
+        # every rank's (weights, grads, optimizer): ranks differ by pipeline stage and by ZeRO shard
+        t = torch.tensor([mine["weights"], mine["grads"], mine["optimizer"]], dtype=torch.int64, device=current_device())
+        everyone = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(everyone, t)
+        metrics["bytes_per_rank"] = [x.tolist() for x in everyone]
+        metrics["vocab_size"] = self.vocab_size  # before padding: what config.memory_model predicts from
         metrics["num_params"] = self.num_params
         print_rank_0(f"model state on rank 0: weights {metrics['bytes_weights'] / 2**20:.1f} MiB, gradient "
                      f"buffers {metrics['bytes_grads'] / 2**20:.1f} MiB, optimizer state "

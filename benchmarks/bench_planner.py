@@ -1,0 +1,171 @@
+"""The planner against the engine on one GPU: measure the per-layer speed table, then predict and measure five
+single-GPU configurations (peak memory and step time), side by side, in one run.
+
+1. layer speed: for each layer shape, the engine with 1 and with 3 layers (bf16, SDPA, eager, mock data); the
+   difference of their median step times is two layers' forward + backward, hence a layer's achieved TFLOP/s at its
+   forward FLOPs per token (planning/timing.py layer_flops_per_token). Printed as the table planning/layer_speed.py
+   keeps.
+2. validation: five configurations of the engine on one GPU, each predicted by the planner (with the table just
+   measured) and measured (median step time after warm-up; torch.cuda.max_memory_allocated).
+
+    python benchmarks/bench_planner.py [--out DIR] [--steps 8] [--warmup 3]
+Every engine run is one `main()` call of pretrain_megatron_gpt.py in this process (imports paid once).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+LLAMA = ["--model-family", "llama", "--vocab-size", "32000", "--mock-data", "--bf16", "--lr", "1e-4",
+         "--eval-iters", "0", "--log-interval", "1"]
+# (hidden, ffn, heads, query groups, seq, micro batch): Llama-style layers from 1B-class to 70B-class widths
+LAYER_SHAPES = [(1024, 2816, 8, 8, 2048, 4), (2048, 5504, 16, 16, 2048, 4), (3072, 8192, 24, 8, 2048, 4),
+                (4096, 14336, 32, 8, 2048, 2), (8192, 28672, 64, 8, 2048, 1)]
+# five single-GPU configurations the planner predicts (name -> engine flags beyond LLAMA)
+VALIDATION = {
+    "llama-1.3b mbs4": ["--num-layers", "24", "--hidden-size", "2048", "--ffn-hidden-size", "5504",
+                        "--num-attention-heads", "16", "--seq-length", "2048", "--micro-batch-size", "4",
+                        "--global-batch-size", "16"],
+    "llama-1.3b mbs8 full recompute": ["--num-layers", "24", "--hidden-size", "2048", "--ffn-hidden-size", "5504",
+                                       "--num-attention-heads", "16", "--seq-length", "2048", "--micro-batch-size",
+                                       "8", "--global-batch-size", "16", "--recompute-granularity", "full"],
+    "llama-350m seq4096 zero1": ["--num-layers", "24", "--hidden-size", "1024", "--ffn-hidden-size", "2816",
+                                 "--num-attention-heads", "16", "--seq-length", "4096", "--micro-batch-size", "4",
+                                 "--global-batch-size", "16", "--zero-1-memory-optimization"],
+    "llama3-8b 4 layers": ["--num-layers", "4", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
+                           "--num-attention-heads", "32", "--num-query-groups", "8", "--seq-length", "4096",
+                           "--micro-batch-size", "2", "--global-batch-size", "8"],
+    "llama-3b-shape 12 layers mbs2": ["--num-layers", "12", "--hidden-size", "3072", "--ffn-hidden-size", "8192",
+                                      "--num-attention-heads", "24", "--num-query-groups", "8", "--seq-length",
+                                      "2048", "--micro-batch-size", "2", "--global-batch-size", "8"],
+}
+
+
+def _run(argv, metrics_file):
+    """One engine run in this process; its metrics lines."""
+    import torch
+
+    from megatron_patch.cli.pretrain import main
+
+    if os.path.exists(metrics_file):
+        os.remove(metrics_file)
+    env = dict(os.environ)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    status = main([*argv, "--metrics-file", metrics_file])
+    os.environ.clear()  # a fresh launch environment for the next run (initialize() records its port there)
+    os.environ.update(env)
+    if status:
+        raise SystemExit(f"engine run failed ({status}): {' '.join(argv)}")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return [json.loads(x) for x in open(metrics_file) if '"step_time"' in x]
+
+
+def _median_step(lines, warmup):
+    return statistics.median(x["step_time"] for x in lines[warmup:])
+
+
+def card_key() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "h100-80gb"  # --smoke on a CPU: the H100's table
+    name = torch.cuda.get_device_name(0)
+    return "h200" if "H200" in name else "h100-80gb" if "H100" in name else name
+
+
+def measure_layers(out, steps, warmup):
+    from megatron_patch.config import parse_args
+    from megatron_patch.planning.timing import layer_flops_per_token
+
+    table = []
+    for h, ffn, heads, groups, seq, mbs in LAYER_SHAPES:
+        flags = [*LLAMA, "--hidden-size", str(h), "--ffn-hidden-size", str(ffn), "--num-attention-heads", str(heads),
+                 "--num-query-groups", str(groups), "--seq-length", str(seq), "--micro-batch-size", str(mbs),
+                 "--global-batch-size", str(mbs * 2), "--train-iters", str(steps)]
+        times = {}
+        for layers in (1, 3):
+            lines = _run([*flags, "--num-layers", str(layers)], os.path.join(out, f"layers_{h}_{layers}.jsonl"))
+            times[layers] = _median_step(lines, warmup)
+        cfg = parse_args([*flags, "--num-layers", "1"])
+        f = layer_flops_per_token(cfg, moe=False)
+        tokens = 2 * mbs * seq  # two micro batches per step
+        per_layer = (times[3] - times[1]) / 2
+        tflops = 3 * f * tokens / per_layer / 1e12
+        table.append((f, tflops))
+        print(f"layer h{h} ffn{ffn} seq{seq} mbs{mbs}: {1000 * per_layer / 2:.2f} ms per micro batch, "
+              f"{f:.3g} FLOPs/token, {tflops:.0f} TFLOP/s", flush=True)
+    table.sort()
+    return table
+
+
+def validate(out, steps, warmup, card):
+    from megatron_patch.config import parse_args
+    from megatron_patch.config.fit import peak_memory
+    from megatron_patch.config.validate import resolve
+    from megatron_patch.planning.hardware import GPUS
+    from megatron_patch.planning.timing import step_time
+
+    rows = []
+    for name, flags in VALIDATION.items():
+        argv = [*LLAMA, *flags, "--train-iters", str(steps)]
+        lines = _run(argv, os.path.join(out, f"validate_{len(rows)}.jsonl"))
+        cfg, vocab = resolve(parse_args(argv), 1), lines[0]["vocab_size"]
+        pred_mem = peak_memory(cfg, vocab, 1)
+        pred_time = step_time(cfg, vocab, 1, GPUS[card]).total
+        meas_time = _median_step(lines, warmup)
+        meas_mem = max(x.get("max_memory_bytes", 0) for x in lines)
+        rows.append(dict(name=name, predicted_peak=pred_mem.peak, measured_peak=meas_mem, predicted_step=pred_time,
+                         measured_step=meas_time, breakdown=pred_mem.as_dict()))
+    return rows
+
+
+def _smoke() -> None:
+    global LLAMA, LAYER_SHAPES, VALIDATION
+    LLAMA = [x for x in LLAMA if x != "--bf16"]
+    LAYER_SHAPES = [(64, 128, 4, 4, 32, 2), (128, 256, 4, 4, 32, 2)]
+    VALIDATION = {"tiny": ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+                           "32", "--micro-batch-size", "2", "--global-batch-size", "4"]}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_planner"))
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--skip-layers", action="store_true", help="validate with the table in planning/layer_speed.py")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, for a CPU: the script's own check")
+    a = ap.parse_args()
+    if a.smoke:
+        _smoke()
+    os.makedirs(a.out, exist_ok=True)
+    import torch
+
+    from megatron_patch.planning import layer_speed
+
+    card = card_key()
+    if not a.skip_layers:
+        table = measure_layers(a.out, a.steps, a.warmup)
+        layer_speed.MEASURED[card] = table
+        print(f"MEASURED[{card!r}] = {[(float(f'{f:.4g}'), round(t, 1)) for f, t in table]}")
+    rows = validate(a.out, a.steps, a.warmup, card)
+    with open(os.path.join(a.out, "bench_planner.json"), "w") as f:
+        json.dump({"card": card, "table": layer_speed.MEASURED.get(card), "rows": rows}, f,
+                  indent=1)
+    print(f"\nplanner vs engine, one {torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'CPU'}")
+    print(f"{'configuration':34} {'peak GiB pred':>13} {'meas':>7} {'ratio':>6} | {'step s pred':>11} {'meas':>7} {'ratio':>6}")
+    for r in rows:
+        print(f"{r['name']:34} {r['predicted_peak'] / 2**30:13.2f} {r['measured_peak'] / 2**30:7.2f} "
+              f"{r['predicted_peak'] / max(r['measured_peak'], 1):6.3f} | {r['predicted_step']:11.3f} "
+              f"{r['measured_step']:7.3f} {r['predicted_step'] / r['measured_step']:6.3f}")
+
+
+if __name__ == "__main__":
+    main()
