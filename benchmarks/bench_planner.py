@@ -56,6 +56,9 @@ def _run(argv, metrics_file):
     if os.path.exists(metrics_file):
         os.remove(metrics_file)
     env = dict(os.environ)
+    from megatron_patch.ports import free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())  # each run its own rendezvous: the last one's port may linger
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     status = main([*argv, "--metrics-file", metrics_file])
@@ -63,6 +66,9 @@ def _run(argv, metrics_file):
     os.environ.update(env)
     if status:
         raise SystemExit(f"engine run failed ({status}): {' '.join(argv)}")
+    import gc
+
+    gc.collect()  # the finished run's model and optimizer, before the next one allocates
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return [json.loads(x) for x in open(metrics_file) if '"step_time"' in x]
@@ -91,13 +97,14 @@ def measure_layers(out, steps, warmup):
                  "--num-query-groups", str(groups), "--seq-length", str(seq), "--micro-batch-size", str(mbs),
                  "--global-batch-size", str(mbs * 2), "--train-iters", str(steps)]
         times = {}
-        for layers in (1, 3):
+        pair = (1, 2) if h >= 8192 else (1, 3)  # a 70B-wide layer: 2 of them with Adam state fill most of 80 GB
+        for layers in pair:
             lines = _run([*flags, "--num-layers", str(layers)], os.path.join(out, f"layers_{h}_{layers}.jsonl"))
             times[layers] = _median_step(lines, warmup)
         cfg = parse_args([*flags, "--num-layers", "1"])
         f = layer_flops_per_token(cfg, moe=False)
         tokens = 2 * mbs * seq  # two micro batches per step
-        per_layer = (times[3] - times[1]) / 2
+        per_layer = (times[pair[1]] - times[1]) / (pair[1] - 1)
         tflops = 3 * f * tokens / per_layer / 1e12
         table.append((f, tflops))
         print(f"layer h{h} ffn{ffn} seq{seq} mbs{mbs}: {1000 * per_layer / 2:.2f} ms per micro batch, "

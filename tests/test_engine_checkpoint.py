@@ -180,6 +180,30 @@ def test_optimizer_state_moves_from_tp2_to_dp2(tmp_path, zero):
     assert_same_continuation(straight, resumed, 5, rel=1e-5)
 
 
+MOE = ["--model-family", "mixtral", "--num-experts", "4", "--moe-router-topk", "2"]
+FULLY = ["--zero-1-memory-optimization", "--dist-ckpt-optim-fully-reshardable"]
+
+
+@pytest.mark.parametrize("ep,zero", [
+    pytest.param(1, FULLY, id="ep1_zero1_fully_reshardable"),
+    pytest.param(4, FULLY, marks=pytest.mark.slow, id="ep4_zero1_fully_reshardable"),  # 4 processes
+    pytest.param(1, [], marks=pytest.mark.slow, id="ep1_zero0")])
+def test_moe_optimizer_state_moves_from_ep2(tmp_path, ep, zero):
+    """An MoE run saved at EP2 x DP2 with its optimizer state, resumed at EP1 x DP2 or EP4 x DP4: the optimizer state
+    and lr schedule are restored (the experts' state is a part of its own at every EP, compat.moe.expert_params_apart)
+    and the run continues as the one that never stopped (fp32, within 1e-5)."""
+    ten = ["--train-iters", "10", "--eval-interval", "5", "--lr", "1e-3", *MOE, *zero]
+    straight, _ = run_engine(tmp_path / "ep2", 2, *ten, "--expert-model-parallel-size", "2", "--save",
+                             str(tmp_path / "s"), "--save-interval", "5", torchrun=False)
+    ck = resume_from(tmp_path / "s", 5, tmp_path / "ck")
+    assert json.load(open(ck / "iter_0000005" / "checkpoint.json")).get("experts_apart") is True
+    resumed, proc = run_engine(tmp_path / f"ep{ep}", max(ep, 2), *ten, "--load", str(ck),
+                               "--expert-model-parallel-size", str(ep), torchrun=False)
+    assert "'ep': 2" in proc.stdout and f"'ep': {ep}" in proc.stdout, proc.stdout[-2000:]
+    assert "start fresh" not in proc.stdout.replace("RNG streams start fresh", "")
+    assert_same_continuation(straight, resumed, 5, rel=1e-5)
+
+
 def test_incomplete_newest_checkpoint_falls_back_to_previous(single, tmp_path):
     d, _, _ = single
     ck = resume_from(d / "ck", 10, tmp_path / "ck")
@@ -474,6 +498,24 @@ def test_what_a_tp2_checkpoint_restores_at_tp1(zero, world, flags, restored):
                    else {})}
     r = restores(manifest, cfg)
     assert (r.same_model_layout, r.optimizer) == (False, restored)
+
+
+@pytest.mark.parametrize("saved_ep,apart,restored", [
+    (2, True, True),  # written with the experts apart: their state moves to EP1
+    (2, False, False),  # an older EP2 checkpoint: not known to match this run's optimizer parts
+    (1, False, False),  # an older EP1 checkpoint kept the experts with the dense parameters
+    (1, True, True),
+], ids=["ep2_apart", "ep2_older", "ep1_older", "ep1_apart"])
+def test_what_an_moe_checkpoint_restores_at_ep1(saved_ep, apart, restored):
+    """config/resume.py's rule for an MoE checkpoint resumed at EP1 with ZeRO-1 fully reshardable."""
+    from megatron_patch.config import parse_args
+    from megatron_patch.config.resume import restores
+
+    cfg = parse_args([*TINY, *TEN, *MOE, *FULLY]).validate(2)
+    manifest = {"layout": {"tp": 1, "pp": 1, "dp": 2, "vpp": 1, "zero": 1, "ep": saved_ep, "etp": 1},
+                "contents": ["model", "optimizer", "rng", "scheduler"], "optimizer_sharding": "fully_reshardable",
+                **({"experts_apart": True} if apart else {})}
+    assert restores(manifest, cfg).optimizer == restored
 
 
 def test_fully_reshardable_needs_zero_1():

@@ -227,3 +227,26 @@ def expert_biases_not_sequence_parallel(chunks: Iterable[torch.nn.Module]) -> in
                 module.bias.sequence_parallel = False
                 count += 1
     return count
+
+
+@register(upstream=("megatron/core/distributed/distributed_data_parallel.py:DistributedDataParallel.__init__",
+                    "megatron/core/optimizer/__init__.py:_get_param_groups"),
+          fixes="megatron-core marks expert weights `allreduce=False` (reduced over the expert data-parallel group, "
+                "in buffers and an optimizer of their own) only when EP > 1 or ETP != TP; at EP 1 they join the dense "
+                "parameters, so the optimizer's checkpoint keys (`chained_0.` / `chained_1.` at EP > 1, none at EP 1) "
+                "change with EP and its state cannot move between EP 1 and EP > 1. Marked at EP 1 too, the experts "
+                "are reduced over the same ranks (the expert data-parallel group is the data-parallel group then) "
+                "and the optimizer has the same two parts at every EP",
+          fingerprint="25e06e5429650edc")
+def expert_params_apart(chunks: Iterable[torch.nn.Module]) -> int:
+    """Mark every expert weight of `chunks` (the SequentialMLP / grouped experts of each MoELayer) `allreduce=False`;
+    returns how many. Before the DDP wrapper and the optimizer are built."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    count = 0
+    for layer in _modules_of(chunks, MoELayer):
+        for p in layer.experts.parameters():
+            if getattr(p, "allreduce", True):
+                p.allreduce = False
+                count += 1
+    return count

@@ -4,8 +4,8 @@ model state is exact, `memory_model.py`, this part is a model: checked against t
 Per layer and token, the tensors the backward pass keeps (Korthikanti et al., "Reducing Activation Recomputation
 in Large Transformer Models", restated for this engine's layers: SDPA/flash attention keeps no s x s scores):
 the inputs of the two norms and of the QKV and FC1 projections (whole, or 1/TP with sequence parallelism), the
-QKV output and the rotated queries and keys, the attention output, FC1's output and the activation's output
-(1/TP); dropout masks when dropout is on; for an MoE layer the routed copies of the tokens (top-k of them) through
+QKV output and the rotated queries and keys, the attention output, and the MLP's tensors (1/TP; SwiGLU keeps
+5 x ffn per token, measured); dropout masks when dropout is on; for an MoE layer the routed copies of the tokens (top-k of them) through
 the experts. Full recompute keeps each layer's input only, plus one layer's tensors while it is recomputed.
 A pipeline stage holds the micro batches in flight of the 1F1B (or interleaved) schedule; the last stage adds the
 logits and their fp32 softmax unless the loss is fused with the output layer (--cross-entropy-fusion-impl linear).
@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from typing import Dict
 
 from .memory_model import chunk_layers, padded_vocab
+
+SWIGLU_KEPT = 5  # elements per token and ffn unit a SwiGLU MLP keeps for its backward
 
 
 @dataclass(frozen=True)
@@ -41,14 +43,16 @@ def _layer_elements(cfg, moe: bool) -> float:
     masks = 0.0
     if cfg.hidden_dropout > 0:  # two bool masks (after the projection and after FC2)
         masks = 2 * h / (tp if cfg.sequence_parallel else 1) / 2  # 1 byte each: half an element of 2 bytes
+    # SwiGLU keeps 5 x ffn per token (FC1's 2 x ffn output, the activation's internals and FC2's input), as measured
+    # on an H100 (benchmarks/bench_planner.py: 3 x ffn left 2.1 x ffn per token and layer unaccounted)
+    act = SWIGLU_KEPT if cfg.swiglu else 2
     if moe:
         k, ffn, etp = cfg.moe_router_topk, cfg.expert_ffn_size, cfg.expert_tp_size
-        mlp = k * (2 * h + (3 if cfg.swiglu else 2) * ffn / etp)  # routed inputs and outputs, FC1, activation
+        mlp = k * (2 * h + act * ffn / etp)  # routed inputs and outputs, the experts' MLPs
         if cfg.moe_shared_expert_intermediate_size:
-            mlp += (3 if cfg.swiglu else 2) * cfg.moe_shared_expert_intermediate_size / tp
+            mlp += act * cfg.moe_shared_expert_intermediate_size / tp
     else:
-        ffn = cfg.ffn_hidden_size or 4 * h
-        mlp = (3 if cfg.swiglu else 2) * ffn / tp
+        mlp = act * (cfg.ffn_hidden_size or 4 * h) / tp
     return replicated + attention + mlp + masks
 
 

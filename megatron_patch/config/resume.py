@@ -60,15 +60,20 @@ def restores(manifest: Dict, cfg: Config) -> Restore:
     saved, mine = manifest["layout"], layout(cfg)
     starts_lora = bool(cfg.lora_rank) and not manifest.get("config", {}).get("lora_rank")
     model_only = "optimizer" not in manifest.get("contents", ["optimizer"]) or starts_lora
-    # Expert weights are global tensors too (any EP/ETP loads them), but megatron-core keeps the experts'
-    # optimizer state apart (a ChainedOptimizer, sharded over expert-DP) once EP > 1 or ETP != TP, so
-    # that state moves with neither.
+    # Expert weights are global tensors too (any EP/ETP loads them). Their optimizer state is a part of its own at
+    # every EP since the checkpoints marked "experts_apart" (compat.moe.expert_params_apart); before, EP 1 kept it
+    # with the dense parameters, so an older MoE checkpoint's optimizer state moves to no other expert layout.
     same_expert_layout = _expert_layout(saved) == _expert_layout(mine) or not cfg.num_experts  # (dense: none)
     same_model_layout = all(saved[k] == mine[k] for k in ("tp", "pp", "vpp")) and same_expert_layout
-    # The distributed optimizer's shards follow DP size changes only (dp_reshardable), or any TP/PP of a dense model
-    # when saved fully_reshardable; without ZeRO they follow the model.
+    apart = bool(manifest.get("experts_apart"))
+    # an older checkpoint of EP 1 / ETP TP kept the experts' state with the dense parameters: it fits no run now
+    # (that keeps them apart), except ZeRO-2 (Megatron-FSDP groups experts by name at any EP)
+    older_ep1 = bool(cfg.num_experts) and not apart and _expert_layout(saved) == (1, saved["tp"]) and saved["zero"] != 2
+    experts_move = (same_expert_layout or (apart and cfg.zero_stage != 2)) and not older_ep1
+    # The distributed optimizer's shards follow DP size changes only (dp_reshardable), or any TP/PP/EP when saved
+    # fully_reshardable; without ZeRO they follow the model.
     fully = manifest.get("optimizer_sharding") == "fully_reshardable"
-    optimizer_fits = saved["zero"] == mine["zero"] and same_expert_layout and (
+    optimizer_fits = saved["zero"] == mine["zero"] and bool(experts_move) and (
         same_model_layout or mine["zero"] == 0 or fully)
     return Restore(model_only, same_model_layout, optimizer_fits,
                    optimizer=optimizer_fits and not model_only and not cfg.no_load_optim, starts_lora=starts_lora)

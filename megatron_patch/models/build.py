@@ -81,6 +81,11 @@ def build_model_chunks(cfg: Config, vocab_size: int,
         if cfg.init_layout_invariant and not cfg.load_hf:
             layout_invariant_init(chunk, cfg.seed, cfg.init_method_std, cfg.swiglu)
         chunks.append(chunk)
+    if cfg.num_experts and not cfg.zero_2_memory_optimization:
+        # the experts' gradients and optimizer state apart at every EP (EP 1 too): checkpoints move between EPs
+        from megatron_patch.compat.moe import expert_params_apart
+
+        expert_params_apart(chunks)
     if load_weights is not None:  # before the wrappers: fp16/bf16 copies, DDP buffers and FSDP shards start from these
         load_weights(chunks, cfg)
     if cfg.lora_rank:  # after the base weights, before the wrappers: DDP then gives the frozen base no gradient buffer

@@ -1,6 +1,6 @@
 """How fast one GPU runs a transformer layer, by the layer's forward FLOPs per token on one rank: the measured
-table behind the planner's compute time (benchmarks/bench_layer_speed.py writes it; each row one shape,
-forward + backward of one engine layer in bf16 at sequence 2048, timed on the card named)."""
+table behind the planner's compute time (benchmarks/bench_planner.py measures it: each row one layer shape, the
+engine's forward + backward of that layer in bf16 at sequence 2048, on the card named)."""
 from __future__ import annotations
 
 import bisect
@@ -11,16 +11,16 @@ from .hardware import Gpu
 
 # card -> [(forward FLOPs per token of the layer on one rank, achieved TFLOP/s over forward + backward)]
 MEASURED: Dict[str, List[Tuple[float, float]]] = {
-    # seed (DESIGN.md's whole-model figures on an H200: GPT-2 124M 41.9% MFU, Llama 1.3B 60.7% MFU), until
-    # the per-layer table is measured
-    "h100-80gb": [(2.8e7, 414.0), (2.0e8, 600.0)],
+    # one NVIDIA H100 80GB HBM3, 2026-12-07 (bench_planner.py; engine eager, bf16, SDPA; layers h1024/ffn2816,
+    # h2048/5504, h3072/8192, h4096/14336 GQA 8, h8192/28672 GQA 8; micro batch 4, 4, 4, 2, 1 x 2048 tokens)
+    "h100-80gb": [(2.988e7, 235.0), (1.096e8, 372.8), (2.139e8, 443.2), (4.53e8, 441.4), (1.745e9, 381.9)],
 }
 
 
 def achieved_tflops(g: Gpu, layer_flops: float) -> float:
     """TFLOP/s one GPU of kind `g` reaches on a layer of `layer_flops` forward FLOPs per token (log-linear between
     measured sizes, flat beyond them); a card without a table scales the H100's by its peak."""
-    key = next((k for k, v in _cards().items() if v is g), None)
+    key = next((k for k, v in _cards().items() if v.name == g.name), None)
     table = MEASURED.get(key) if key else None
     scale = 1.0
     if table is None:

@@ -77,7 +77,9 @@ class Checkpointer(SaveSchedule):
                            "scheduler": None if model_only else self.scheduler.state_dict(),
                            "config": self.cfg.to_flat(), "model": self.model_info, "versions": _versions(),
                            **({"optimizer_sharding": self.optim_sharding} if self.optim_sharding and not model_only
-                              else {})}
+                              else {}),
+                           # the experts' optimizer state is a part of its own at every EP (compat.moe)
+                           **({"experts_apart": True} if self.cfg.num_experts and self.cfg.zero_stage != 2 else {})}
         self.last_saved = state.iteration
         if self.async_saver is not None and not consume_model:
             return self._save_async(state.iteration, root, entries())  # the entries as of this iteration
@@ -184,8 +186,8 @@ class Checkpointer(SaveSchedule):
                          "start fresh")
         elif not optimizer_fits and not self.cfg.no_load_optim:
             notes.append("the optimizer state does not fit this layout (ZeRO-1 state moves between DP sizes only, unless "
-                         "saved with --dist-ckpt-optim-fully-reshardable, and not between ZeRO stages or expert "
-                         "layouts): optimizer and lr schedule start fresh")
+                         "saved with --dist-ckpt-optim-fully-reshardable, not between ZeRO stages, and an MoE checkpoint "
+                         "written before the experts' state was kept apart moves to no other expert layout): optimizer and lr schedule start fresh")
         if restore.starts_lora:
             _print0(f"loaded the base weights of {path} (iteration {iteration}) for LoRA: adapters, optimizer, "
                     f"learning-rate schedule and data start fresh at iteration 0")
