@@ -1,11 +1,11 @@
-"""The planner against the engine on one GPU: measure the per-layer speed table, then predict and measure five
+"""The planner against the engine on one GPU: measure the per-layer speed table, then predict and measure six
 single-GPU configurations (peak memory and step time), side by side, in one run.
 
 1. layer speed: for each layer shape, the engine with 1 and with 3 layers (bf16, SDPA, eager, mock data); the
    difference of their median step times is two layers' forward + backward, hence a layer's achieved TFLOP/s at its
    forward FLOPs per token (planning/timing.py layer_flops_per_token). Printed as the table planning/layer_speed.py
    keeps.
-2. validation: five configurations of the engine on one GPU, each predicted by the planner (with the table just
+2. validation: six configurations of the engine on one GPU, each predicted by the planner (with the table just
    measured) and measured (median step time after warm-up; torch.cuda.max_memory_allocated).
 
     python benchmarks/bench_planner.py [--out DIR] [--steps 8] [--warmup 3]
@@ -27,7 +27,7 @@ LLAMA = ["--model-family", "llama", "--vocab-size", "32000", "--mock-data", "--b
 # (hidden, ffn, heads, query groups, seq, micro batch): Llama-style layers from 1B-class to 70B-class widths
 LAYER_SHAPES = [(1024, 2816, 8, 8, 2048, 4), (2048, 5504, 16, 16, 2048, 4), (3072, 8192, 24, 8, 2048, 4),
                 (4096, 14336, 32, 8, 2048, 2), (8192, 28672, 64, 8, 2048, 1)]
-# five single-GPU configurations the planner predicts (name -> engine flags beyond LLAMA)
+# six single-GPU configurations the planner predicts (name -> engine flags beyond LLAMA)
 VALIDATION = {
     "llama-1.3b mbs4": ["--num-layers", "24", "--hidden-size", "2048", "--ffn-hidden-size", "5504",
                         "--num-attention-heads", "16", "--seq-length", "2048", "--micro-batch-size", "4",
@@ -41,6 +41,11 @@ VALIDATION = {
     "llama3-8b 4 layers": ["--num-layers", "4", "--hidden-size", "4096", "--ffn-hidden-size", "14336",
                            "--num-attention-heads", "32", "--num-query-groups", "8", "--seq-length", "4096",
                            "--micro-batch-size", "2", "--global-batch-size", "8"],
+    # not among the runs the activation model's SwiGLU term was fitted on (2026-12-07): a held-out check
+    "llama-2.7b-shape 16 layers seq4096 selective": ["--num-layers", "16", "--hidden-size", "2560", "--ffn-hidden-size",
+                                                     "6912", "--num-attention-heads", "20", "--seq-length", "4096",
+                                                     "--micro-batch-size", "2", "--global-batch-size", "8",
+                                                     "--recompute-granularity", "selective"],
     "llama-3b-shape 12 layers mbs2": ["--num-layers", "12", "--hidden-size", "3072", "--ffn-hidden-size", "8192",
                                       "--num-attention-heads", "24", "--num-query-groups", "8", "--seq-length",
                                       "2048", "--micro-batch-size", "2", "--global-batch-size", "8"],

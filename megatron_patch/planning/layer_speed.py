@@ -14,6 +14,8 @@ MEASURED: Dict[str, List[Tuple[float, float]]] = {
     # one NVIDIA H100 80GB HBM3, 2026-12-07 (bench_planner.py; engine eager, bf16, SDPA; layers h1024/ffn2816,
     # h2048/5504, h3072/8192, h4096/14336 GQA 8, h8192/28672 GQA 8; micro batch 4, 4, 4, 2, 1 x 2048 tokens)
     "h100-80gb": [(2.988e7, 235.0), (1.096e8, 372.8), (2.139e8, 443.2), (4.53e8, 441.4), (1.745e9, 381.9)],
+    # one NVIDIA H200, 2026-12-07, the same shapes and procedure
+    "h200": [(2.988e7, 201.9), (1.096e8, 413.4), (2.139e8, 486.4), (4.53e8, 461.4), (1.745e9, 411.8)],
 }
 
 
