@@ -38,7 +38,7 @@ def assert_same_continuation(straight, resumed, start, rel=1e-6):
     """Iterations after `start`: losses, grad norms and learning rates, and the last validation loss."""
     key = lambda lines, k: [x[k] for x in lines if k in x and x["iteration"] > start]  # noqa: E731
     assert key(resumed, "loss") == pytest.approx(key(straight, "loss"), rel=rel)
-    assert len(key(resumed, "loss")) == 10 - start
+    assert len(key(resumed, "loss")) == len(key(straight, "loss")) > 0
     assert key(resumed, "grad_norm") == pytest.approx(key(straight, "grad_norm"), rel=rel)
     assert key(resumed, "lr") == pytest.approx(key(straight, "lr"), rel=1e-12)
     assert valid_losses(resumed)[-1] == pytest.approx(valid_losses(straight)[-1], rel=rel)
@@ -111,6 +111,25 @@ def test_zero2_resume_is_exact(tmp_path):
     assert "loaded checkpoint" in proc.stdout and "(iteration 5)" in proc.stdout
     assert_same_continuation(straight, resumed, 5)
     assert_same_weights(tmp_path / "s" / "iter_0000010", ck / "iter_0000010")
+
+
+def test_zero2_checkpoint_resumes_at_another_dp_size(tmp_path):
+    """ZeRO-2 saved at DP2, resumed at DP1 (same global batch; dropout 0, so the DP size does not change which
+    masks a sample sees): torch DCP reshards Megatron-FSDP's DTensors, and the run continues as the one that never
+    stopped, optimizer state and lr schedule included (fp32, within 1e-5). At another TP it is refused in words (its
+    DTensors hold TP-local shapes)."""
+    ten = ["--train-iters", "8", "--eval-interval", "4", "--zero-2-memory-optimization", "--lr", "1e-3"]
+    straight, _ = run_engine(tmp_path / "dp2", 2, *ten, "--save", str(tmp_path / "s"), "--save-interval", "4",
+                             torchrun=False)
+    ck = resume_from(tmp_path / "s", 4, tmp_path / "ck")
+    resumed, proc = run_engine(tmp_path / "dp1", 1, *ten, "--load", str(ck))
+    assert "'dp': 2" in proc.stdout and "'dp': 1" in proc.stdout and "start fresh" not in proc.stdout, proc.stdout[-2000:]
+    assert_same_continuation(straight, resumed, 4, rel=1e-5)
+    _, proc = run_engine(tmp_path / "tp2", 2, *ten, "--tensor-model-parallel-size", "2", "--load", str(ck),
+                         check=False, torchrun=False)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "is a ZeRO-2 checkpoint of layout" in out
+    assert "Resume with TP 1, PP 1 and ZeRO-2" in out
 
 
 SLOW_MODEL = ["--hidden-size", "256", "--seq-length", "128", "--micro-batch-size", "4", "--global-batch-size", "8"]
@@ -192,16 +211,16 @@ def test_moe_optimizer_state_moves_from_ep2(tmp_path, ep, zero):
     """An MoE run saved at EP2 x DP2 with its optimizer state, resumed at EP1 x DP2 or EP4 x DP4: the optimizer state
     and lr schedule are restored (the experts' state is a part of its own at every EP, compat.moe.expert_params_apart)
     and the run continues as the one that never stopped (fp32, within 1e-5)."""
-    ten = ["--train-iters", "10", "--eval-interval", "5", "--lr", "1e-3", *MOE, *zero]
+    ten = ["--train-iters", "6", "--eval-interval", "3", "--lr", "1e-3", *MOE, *zero]
     straight, _ = run_engine(tmp_path / "ep2", 2, *ten, "--expert-model-parallel-size", "2", "--save",
-                             str(tmp_path / "s"), "--save-interval", "5", torchrun=False)
-    ck = resume_from(tmp_path / "s", 5, tmp_path / "ck")
-    assert json.load(open(ck / "iter_0000005" / "checkpoint.json")).get("experts_apart") is True
+                             str(tmp_path / "s"), "--save-interval", "3", torchrun=False)
+    ck = resume_from(tmp_path / "s", 3, tmp_path / "ck")
+    assert json.load(open(ck / "iter_0000003" / "checkpoint.json")).get("experts_apart") is True
     resumed, proc = run_engine(tmp_path / f"ep{ep}", max(ep, 2), *ten, "--load", str(ck),
                                "--expert-model-parallel-size", str(ep), torchrun=False)
     assert "'ep': 2" in proc.stdout and f"'ep': {ep}" in proc.stdout, proc.stdout[-2000:]
     assert "start fresh" not in proc.stdout.replace("RNG streams start fresh", "")
-    assert_same_continuation(straight, resumed, 5, rel=1e-5)
+    assert_same_continuation(straight, resumed, 3, rel=1e-5)
 
 
 def test_incomplete_newest_checkpoint_falls_back_to_previous(single, tmp_path):

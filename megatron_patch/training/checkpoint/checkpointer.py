@@ -144,9 +144,11 @@ class Checkpointer(SaveSchedule):
                 "ZeRO-0 or --zero-1-memory-optimization"
             raise CheckpointError(f"{path} was written by a {'ZeRO-2' if saved['zero'] == 2 else 'ZeRO-0/1'} run "
                                   f"({manifest['format']} format); resume it with {wanted}")
-        if self.format == fsdp_dtensor.FORMAT and saved != mine:
-            raise CheckpointError(f"{path} is a ZeRO-2 checkpoint of layout {saved}; it loads only into the same "
-                                  f"layout (this run: {mine}). Resume with the same TP/PP/DP and ZeRO-2.")
+        if self.format == fsdp_dtensor.FORMAT and {**saved, "dp": 0} != {**mine, "dp": 0}:
+            # DCP reshards Megatron-FSDP's DTensors over another DP size; TP/PP/EP change their local shapes
+            raise CheckpointError(f"{path} is a ZeRO-2 checkpoint of layout {saved}; it loads into the same TP/PP/EP "
+                                  f"at any DP size (this run: {mine}). Resume with TP {saved['tp']}, PP {saved['pp']} "
+                                  f"and ZeRO-2.")
         restore = restores(manifest, self.cfg)
         model_only, same_model_layout = restore.model_only, restore.same_model_layout
         optimizer_fits, load_optimizer = restore.optimizer_fits, restore.optimizer

@@ -2,7 +2,8 @@
 
 Megatron-FSDP shards parameters, gradients and optimizer state unevenly over data-parallel ranks;
 the checkpoint holds those DTensors under names with *global* layer numbers (each pipeline stage
-numbers its layers from 0), plus one RNG file per (PP, TP) rank. It loads into the same layout only.
+numbers its layers from 0), plus one RNG file per (PP, TP) rank. It loads at any DP size (DCP reshards the
+DTensors) with the same TP/PP/EP; another TP/PP/EP is refused in words (the DTensors hold TP-local shapes).
 """
 from __future__ import annotations
 
