@@ -28,8 +28,9 @@ LAYOUTS = {
                          "--bf16"],
     "pp2_dp2_zero1_untied": [*LLAMA, "--pipeline-model-parallel-size", "2", "--zero-1-memory-optimization"],
     "tp2_pp2_zero0": [*LLAMA, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+    # hidden 72: tensors that are not multiples of 64 elements, so ZeRO-1's alignment and bucket ends show
     "pp2_vpp2_dp2_zero1_tied": ["--pipeline-model-parallel-size", "2", "--num-layers-per-virtual-pipeline-stage",
-                                "1", "--zero-1-memory-optimization", "--bf16"],
+                                "1", "--zero-1-memory-optimization", "--bf16", "--hidden-size", "72"],
     "ep2_dp4_zero1": [*MOE, "--expert-model-parallel-size", "2", "--zero-1-memory-optimization", "--bf16"],
     "ep4_zero0": [*MOE, "--expert-model-parallel-size", "4"],
     "tp2_dp2_zero2": [*LLAMA, "--tensor-model-parallel-size", "2", "--zero-2-memory-optimization"],
