@@ -135,3 +135,26 @@ def test_activation_estimate_follows_recompute_and_the_schedule():
     first, last = activation_bytes(pp, 128256, 0).kept, activation_bytes(pp, 128256, 3).kept
     embedding = 4 * 4096 * 4096 * 2
     assert first - embedding == 4 * last
+
+
+@pytest.mark.parametrize("dp", [2, 3, 8])
+def test_zero1_buffer_layout_is_megatron_cores(dp):
+    """memory_model.buffer_layout against megatron-core's own layout function (distributed optimizer), on a parameter
+    list with sizes that are not multiples of 64 and a tied embedding (its own bucket): the same spans and buckets."""
+    import torch
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    from megatron_patch.config.memory_model import Param, buffer_layout
+
+    class Fake:  # what the layout reads of a parameter: its element count and the shared_embedding mark
+        def __init__(self, n, shared):
+            self.data, self.shared_embedding = torch.empty(n), shared
+
+    sizes = [(9216, True), (2304, False), (72, False), (15552, False), (72, False), (5184, False), (100, False)]
+    ours, buckets = buffer_layout([Param(f"p{i}", n, shared_embedding=s) for i, (n, s) in enumerate(sizes)], dp, True)
+    fakes = [Fake(n, s) for n, s in sizes]
+    theirs = DistributedOptimizer._compute_per_buffer_param_layout(fakes, None, dp, DistributedDataParallelConfig())
+    assert buckets == [tuple(b) for b in theirs.bucket_indices]
+    assert ours == [tuple(theirs.param_index_map[f][:2]) for f in fakes]
+    assert len(buckets) == 2  # the tied embedding apart
