@@ -103,23 +103,31 @@ def per_iteration(lines: List[dict], key: str) -> List[float]:
     return [x[key] for x in lines if "loss" in x]
 
 
-def run_engines_in_one_process(workdir, runs: Dict[str, List[str]], base=TINY):
-    """run_engine(workdir / name, 1, *flags) for each of `runs` (name -> flags), one after another in one Python
-    process: the entry point's main() each time, in a fresh copy of the launch environment (each run starts and
-    tears down its own process group and seeds every RNG anew), so the start-up (torch, megatron-core: seconds)
-    is paid once. Returns (name -> metrics lines, the completed process, whose output is every run's)."""
+def _engine_jobs(workdir, runs: Dict[str, List[str]], base, ports: bool = False):
+    """The jobs file of engine_utils.py --main: per run its arguments (metrics in workdir/name/metrics.jsonl), its
+    directory, and with `ports` a rendezvous port of its own. Returns (jobs, the file's path)."""
     jobs = []
     for name, args in runs.items():
         os.makedirs(os.path.join(str(workdir), name), exist_ok=True)
         metrics = os.path.join(str(workdir), name, "metrics.jsonl")
         if os.path.exists(metrics):
             os.remove(metrics)
-        jobs.append({"argv": [*base, *args, "--metrics-file", metrics], "cwd": os.path.join(str(workdir), name)})
-    with open(os.path.join(str(workdir), "engine_jobs.json"), "w") as f:
+        jobs.append({"argv": [*base, *args, "--metrics-file", metrics], "cwd": os.path.join(str(workdir), name),
+                     **({"port": free_port()} if ports else {})})
+    path = os.path.join(str(workdir), "engine_jobs.json")
+    with open(path, "w") as f:
         json.dump(jobs, f)
+    return jobs, path
+
+
+def run_engines_in_one_process(workdir, runs: Dict[str, List[str]], base=TINY):
+    """run_engine(workdir / name, 1, *flags) for each of `runs` (name -> flags), one after another in one Python
+    process: the entry point's main() each time, in a fresh copy of the launch environment (each run starts and
+    tears down its own process group and seeds every RNG anew), so the start-up (torch, megatron-core: seconds)
+    is paid once. Returns (name -> metrics lines, the completed process, whose output is every run's)."""
+    jobs, path = _engine_jobs(workdir, runs, base)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--main",
-                           os.path.join(str(workdir), "engine_jobs.json")], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--main", path], capture_output=True, text=True,
                           cwd=str(workdir), env=env, timeout=900)
     if proc.returncode != 0:
         raise AssertionError(f"engine runs failed ({proc.returncode}): {list(runs)}\n{proc.stdout[-3000:]}\n"
@@ -131,17 +139,7 @@ def run_engines_in_one_launch(workdir, nproc: int, runs: Dict[str, List[str]], b
     """run_engines_in_one_process for `nproc` workers of one gloo job: each worker runs every job in turn, each job
     with a rendezvous port of its own (its process groups are torn down before the next starts). Returns
     name -> metrics lines (rank 0's)."""
-    jobs = []
-    for name, args in runs.items():
-        os.makedirs(os.path.join(str(workdir), name), exist_ok=True)
-        metrics = os.path.join(str(workdir), name, "metrics.jsonl")
-        if os.path.exists(metrics):
-            os.remove(metrics)
-        jobs.append({"argv": [*base, *args, "--metrics-file", metrics], "cwd": os.path.join(str(workdir), name),
-                     "port": free_port()})
-    path = os.path.join(str(workdir), "engine_jobs.json")
-    with open(path, "w") as f:
-        json.dump(jobs, f)
+    jobs, path = _engine_jobs(workdir, runs, base, ports=True)
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     proc = _run_workers_directly(nproc, [sys.executable, os.path.abspath(__file__), "--main", path], str(workdir),
                                  env, 900)
