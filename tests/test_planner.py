@@ -158,3 +158,16 @@ def test_zero1_buffer_layout_is_megatron_cores(dp):
     assert buckets == [tuple(b) for b in theirs.bucket_indices]
     assert ours == [tuple(theirs.param_index_map[f][:2]) for f in fakes]
     assert len(buckets) == 2  # the tied embedding apart
+
+
+def test_plan_reads_a_hugging_face_model_directory(tmp_path):
+    import json
+
+    (tmp_path / "config.json").write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 8192,
+        "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 16, "vocab_size": 128256,
+        "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "max_position_embeddings": 131072, "tie_word_embeddings": True,
+        "hidden_act": "silu"}))
+    p = _plan("--model", str(tmp_path), "--gpus", "8", "--seq-length", "4096", "--global-batch-size", "64", "--top", "2")
+    assert p.returncode == 0, p.stderr
+    assert "1.24B parameters, 16 layers, hidden 2048, vocabulary 128256" in p.stdout

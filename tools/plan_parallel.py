@@ -8,7 +8,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from megatron_patch.conversion.hf_source import parse_args  # noqa: E402  (reads a model directory's config.json)
 from megatron_patch.planning.cli import main  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(parse=parse_args))

@@ -5,7 +5,7 @@ import argparse
 import os
 import shlex
 import sys
-from typing import List, Optional
+from typing import Callable, List, Optional
 
 from megatron_patch.config import parse_args
 from megatron_patch.config.errors import ConfigError
@@ -76,7 +76,9 @@ def _details(p: Plan) -> str:
     return f"  memory on rank {m.rank} (GiB): {mem}\n  step time (s): {tm}\n  flags: {p.flags()}"
 
 
-def main(argv: Optional[List[str]] = None) -> int:
+def main(argv: Optional[List[str]] = None, parse: Callable = parse_args) -> int:
+    """`parse`: engine flags -> Config; the command passes conversion.hf_source.parse_args, which also reads a
+    Hugging Face directory's config.json (--model DIR), a layer above this package."""
     a = build_parser().parse_args(argv)
     g = gpu(a.gpu)
     if a.nodes:
@@ -94,7 +96,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         vocab = a.vocab_size or VOCAB.get(family, 50257)
         if "--vocab-size" not in flags:
             flags += ["--vocab-size", str(vocab)]
-        cfg = parse_args(flags)
+        cfg = parse(flags)
         vocab = cfg.model_vocab_size or cfg.vocab_size or vocab
         print(f"model: {total_params(cfg, vocab) / 1e9:.2f}B parameters, {cfg.num_layers} layers, hidden "
               f"{cfg.hidden_size}, vocabulary {vocab} | {a.gpus} x {g.name} ({g.memory_bytes / GiB:.1f} GiB, "
