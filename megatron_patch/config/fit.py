@@ -10,8 +10,8 @@ from .activation_memory import activation_bytes
 from .memory_model import FSDP_UNIT_ELEMENTS, StateBytes, rank_position, rank_state_bytes
 
 GiB = 2 ** 30
-# what torch's caching allocator keeps beyond the live tensors (rounding to blocks, fragmentation), measured
-# as max_memory_reserved / max_memory_allocated on the GPU runs of the planner's check (a fraction of the peak)
+# a margin for what torch's caching allocator keeps beyond the live tensors (rounding to blocks, fragmentation): an
+# assumed 5% of the peak, not measured (the planner's GPU check compares max_memory_allocated, without it)
 ALLOCATOR_OVERHEAD = 0.05
 
 

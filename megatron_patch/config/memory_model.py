@@ -60,7 +60,8 @@ class NotModelled(ValueError):
 
 # ------------------------------------------------------------------------------------------ the parameters
 def padded_vocab(cfg, vocab_size: int) -> int:
-    """The engine's padding rule (models/gpt.py): a multiple of lcm(--make-vocab-size-divisible-by, TP)."""
+    """The engine's padding rule (models/gpt.py padded_vocab_size calls it): a multiple of
+    lcm(--make-vocab-size-divisible-by, TP), or the checkpoint's padded size when one is being loaded."""
     if cfg.padded_vocab_size is not None:
         return cfg.padded_vocab_size
     multiple = math.lcm(cfg.make_vocab_size_divisible_by, cfg.tensor_model_parallel_size)
@@ -375,11 +376,6 @@ def rank_state_bytes(cfg, vocab_size: int, world_size: int, rank: int) -> StateB
         b = fn(cfg, params, dp, edp, pos.dp, pos.edp)
         total = StateBytes(total.weights + b.weights, total.grads + b.grads, total.optimizer + b.optimizer)
     return total
-
-
-def state_bytes_per_rank(cfg, vocab_size: int, world_size: int) -> List[StateBytes]:
-    """`rank_state_bytes` for every rank of the run."""
-    return [rank_state_bytes(cfg, vocab_size, world_size, r) for r in range(world_size)]
 
 
 def total_params(cfg, vocab_size: int) -> int:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import inspect
-import math
 from functools import partial
 from typing import Optional
 
@@ -18,6 +17,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from megatron_patch.config.memory_model import padded_vocab
 from megatron_patch.config.config import Config  # the class, not the package (its parser reaches conversion)
 from megatron_patch.config.rule import resolved_attention_backend, transformer_engine_available
 
@@ -32,10 +32,7 @@ def padded_vocab_size(vocab_size: int, cfg: Config) -> int:
     Megatron-LM multiplies the two, so its padded size changes with TP; the lcm keeps one padded size
     for every TP that divides the multiple, so checkpoints move between TP layouts unchanged.
     """
-    if cfg.padded_vocab_size is not None:  # fixed by the checkpoint being loaded
-        return cfg.padded_vocab_size
-    multiple = math.lcm(cfg.make_vocab_size_divisible_by, cfg.tensor_model_parallel_size)
-    return -(-vocab_size // multiple) * multiple
+    return padded_vocab(cfg, vocab_size)  # one rule for the model and the planner's memory model
 
 
 def resolve_attention_backend(cfg: Config) -> str:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shlex
 import sys
@@ -82,7 +83,7 @@ def main(argv: Optional[List[str]] = None, parse: Callable = parse_args) -> int:
     a = build_parser().parse_args(argv)
     g = gpu(a.gpu)
     if a.nodes:
-        g = type(g)(**{**g.__dict__, "gpus_per_node": max(a.gpus // a.nodes, 1)})
+        g = dataclasses.replace(g, gpus_per_node=max(a.gpus // a.nodes, 1))
     try:
         if a.engine_flags:
             flags = shlex.split(a.engine_flags)

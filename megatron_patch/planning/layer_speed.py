@@ -7,7 +7,7 @@ import bisect
 import math
 from typing import Dict, List, Tuple
 
-from .hardware import Gpu
+from .hardware import GPUS, Gpu
 
 # card -> [(forward FLOPs per token of the layer on one rank, achieved TFLOP/s over forward + backward)]
 MEASURED: Dict[str, List[Tuple[float, float]]] = {
@@ -22,7 +22,7 @@ MEASURED: Dict[str, List[Tuple[float, float]]] = {
 def achieved_tflops(g: Gpu, layer_flops: float) -> float:
     """TFLOP/s one GPU of kind `g` reaches on a layer of `layer_flops` forward FLOPs per token (log-linear between
     measured sizes, flat beyond them); a card without a table scales the H100's by its peak."""
-    key = next((k for k, v in _cards().items() if v.name == g.name), None)
+    key = next((k for k, v in GPUS.items() if v.name == g.name), None)
     table = MEASURED.get(key) if key else None
     scale = 1.0
     if table is None:
@@ -36,9 +36,3 @@ def achieved_tflops(g: Gpu, layer_flops: float) -> float:
         return table[-1][1] * scale
     w = (x - xs[i - 1]) / (xs[i] - xs[i - 1])
     return (table[i - 1][1] * (1 - w) + table[i][1] * w) * scale
-
-
-def _cards():
-    from .hardware import GPUS
-
-    return GPUS

@@ -8,7 +8,6 @@ from typing import Iterator, List, Optional
 from megatron_patch.config.checks import run_checks
 from megatron_patch.config.errors import ConfigError
 from megatron_patch.config.fit import ALLOCATOR_OVERHEAD, RankMemory, peak_memory
-from megatron_patch.config.memory_model import NotModelled
 from megatron_patch.config.validate import resolve
 
 from .hardware import Gpu
@@ -107,10 +106,7 @@ def plan(cfg, vocab_size: int, world_size: int, g: Gpu, top: int = 10, intra_gbp
     ranked = []
     for c in layouts(cfg, world_size, g, **space):
         c = resolve(c, world_size)
-        try:
-            p = evaluate(c, vocab_size, world_size, g, intra_gbps, inter_gbps)
-        except NotModelled:
-            raise
+        p = evaluate(c, vocab_size, world_size, g, intra_gbps, inter_gbps)
         if p.fits:
             ranked.append(p)
     ranked.sort(key=lambda p: p.time.total)
