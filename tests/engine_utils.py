@@ -246,6 +246,8 @@ def full_weights(checkpoint: str) -> Dict[str, torch.Tensor]:
     flat, layers = {}, {}
     model = state["model"] if isinstance(state.get("model"), dict) else \
         {k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}
+    for half in [k for k in model if k.endswith("linear_fc1.weight_w") or k.endswith("linear_fc1.bias_w")]:
+        model[half[:-2]] = torch.cat([model.pop(half), model.pop(half[:-1] + "v")])  # SwiGLU stored split: [gate; up]
     for k, v in model.items():
         if not torch.is_tensor(v):
             continue

@@ -192,11 +192,12 @@ TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-si
 RUNS = {  # name: (processes, family flags, layout flags)
     "tp1": (1, [], []),
     "tp2pp2_vpp": (4, [], [*TP2, *PP2, "--num-layers-per-virtual-pipeline-stage", "1"]),
-    "pp2dp2_zero2_bf16": (4, ["--bf16"], [*PP2, "--zero-2-memory-optimization"]),
+    # SwiGLU at TP2: its fc1 stored as TP-global gate and up halves (fsdp_dtensor.py); PP2: global layer numbers
+    "llama_tp2pp2_zero2_bf16": (4, [*LLAMA, "--bf16"], [*TP2, *PP2, "--zero-2-memory-optimization"]),
     "llama_tp2dp2_zero1_bf16": (4, [*LLAMA, "--bf16"], [*TP2, "--zero-1-memory-optimization"]),
 }
 # ZeRO-2 (Megatron-FSDP) checkpoints hold the fp32 main weights, also in bf16 runs; dist_checkpointing the model's
-SAVES_FP32 = {"pp2dp2_zero2_bf16"}
+SAVES_FP32 = {"llama_tp2pp2_zero2_bf16"}
 
 
 @pytest.fixture(scope="module")
@@ -255,7 +256,32 @@ def test_reader_gives_the_tp1_models_state_dict(name, checkpoint, reference):
         assert reader.shape_of(key) == list(tensor.shape) and reader.dtype_of(key) == tensor.dtype
 
 
-@pytest.mark.parametrize("name", ["tp1", "llama_tp2dp2_zero1_bf16", "pp2dp2_zero2_bf16"])
+def test_reader_puts_an_older_zero2_checkpoints_swiglu_fc1_in_order(checkpoint, reference, tmp_path):
+    """A ZeRO-2 checkpoint written before fc1 was stored split held it whole, which at TP 2 interleaves the ranks'
+    halves ([g0; u0; g1; u1]; seen in such a checkpoint). Made here from today's TP2 checkpoint (its model tensors
+    rewritten that way, the manifest without the fully-reshardable mark): it still reads as the TP1 model."""
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_patch.config.checkpoint_layout import read_manifest, write_manifest
+
+    new = _reader(checkpoint("llama_tp2pp2_zero2_bf16"))
+    old = {}
+    for name in new.keys():
+        t = new.get(name)
+        if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):  # [g0; g1; u0; u1] -> [g0; u0; g1; u1]
+            t = t.reshape(2, 2, t.shape[0] // 4, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        old[f"model.{name}"] = t
+    path = tmp_path / "iter_0000001"
+    dcp.save(old, checkpoint_id=str(path), no_dist=True)
+    manifest = read_manifest(new.path)
+    del manifest["optimizer_sharding"]
+    write_manifest(str(path), manifest)
+    reader = _reader(str(path))
+    for key, tensor in reference(tuple(RUNS["llama_tp2pp2_zero2_bf16"][1])).items():
+        assert torch.equal(reader.get(key), tensor.float()), key
+
+
+@pytest.mark.parametrize("name", ["tp1", "llama_tp2dp2_zero1_bf16", "llama_tp2pp2_zero2_bf16"])
 def test_reader_agrees_with_dcp_to_torch_save(name, checkpoint):
     """A second route to the full weights: torch converts the whole checkpoint at once (full_weights
     stacks ZeRO-2's per-layer names as dist_checkpointing does)."""

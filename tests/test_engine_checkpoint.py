@@ -113,22 +113,39 @@ def test_zero2_resume_is_exact(tmp_path):
     assert_same_weights(tmp_path / "s" / "iter_0000010", ck / "iter_0000010")
 
 
-def test_zero2_checkpoint_resumes_at_another_dp_size(tmp_path):
-    """ZeRO-2 saved at DP2, resumed at DP1 (same global batch; dropout 0, so the DP size does not change which
-    masks a sample sees): torch DCP reshards Megatron-FSDP's DTensors, and the run continues as the one that never
-    stopped, optimizer state and lr schedule included (fp32, within 1e-5). At another TP it is refused in words (its
-    DTensors hold TP-local shapes)."""
-    ten = ["--train-iters", "8", "--eval-interval", "4", "--zero-2-memory-optimization", "--lr", "1e-3"]
+def test_zero2_checkpoint_resumes_at_another_dp_and_tp_size(tmp_path):
+    """ZeRO-2 saved at TP1 x DP2, resumed at DP1, at TP2 x DP1 and at PP2 x DP1 (same global batch; dropout 0, so the layout does
+    not change which masks a sample sees), a Llama-shaped model (SwiGLU, whose fc1 is stored as its TP-global gate
+    and up halves; grouped-query attention): torch DCP reshards Megatron-FSDP's DTensors, and each run continues as
+    the one that never stopped, optimizer state and lr schedule included (fp32, within 1e-5). A checkpoint written
+    before that (no fully-reshardable mark) is refused at another TP in words."""
+    ten = ["--train-iters", "8", "--eval-interval", "4", "--zero-2-memory-optimization", "--lr", "1e-3", "--swiglu",
+           "--num-query-groups", "2"]
     straight, _ = run_engine(tmp_path / "dp2", 2, *ten, "--save", str(tmp_path / "s"), "--save-interval", "4",
                              torchrun=False)
     ck = resume_from(tmp_path / "s", 4, tmp_path / "ck")
+    assert json.load(open(ck / "iter_0000004" / "checkpoint.json"))["optimizer_sharding"] == "fully_reshardable"
     resumed, proc = run_engine(tmp_path / "dp1", 1, *ten, "--load", str(ck))
     assert "'dp': 2" in proc.stdout and "'dp': 1" in proc.stdout and "start fresh" not in proc.stdout, proc.stdout[-2000:]
     assert_same_continuation(straight, resumed, 4, rel=1e-5)
-    _, proc = run_engine(tmp_path / "tp2", 2, *ten, "--tensor-model-parallel-size", "2", "--load", str(ck),
+    resumed, proc = run_engine(tmp_path / "tp2", 2, *ten, "--tensor-model-parallel-size", "2", "--load", str(ck),
+                               torchrun=False)
+    assert "'tp': 1" in proc.stdout and "weights resharded" in proc.stdout, proc.stdout[-2000:]
+    assert "optimizer and lr schedule start fresh" not in proc.stdout, proc.stdout[-2000:]
+    assert_same_continuation(straight, resumed, 4, rel=1e-5)
+    # PP2: the last stage's copy of the tied embedding, absent from a one-stage checkpoint, loads from the embedding
+    resumed, proc = run_engine(tmp_path / "pp2", 2, *ten, "--pipeline-model-parallel-size", "2", "--load", str(ck),
+                               torchrun=False)
+    assert "'pp': 2" in proc.stdout and "optimizer and lr schedule start fresh" not in proc.stdout, proc.stdout[-2000:]
+    assert_same_continuation(straight, resumed, 4, rel=1e-5)
+    manifest = ck / "iter_0000004" / "checkpoint.json"
+    old = json.load(open(manifest))
+    del old["optimizer_sharding"]
+    manifest.write_text(json.dumps(old))
+    _, proc = run_engine(tmp_path / "tp2_old", 2, *ten, "--tensor-model-parallel-size", "2", "--load", str(ck),
                          check=False, torchrun=False)
     out = proc.stdout + proc.stderr
-    assert proc.returncode != 0 and "is a ZeRO-2 checkpoint of layout" in out
+    assert proc.returncode != 0 and "written before ZeRO-2 checkpoints became fully reshardable" in out, out[-2000:]
     assert "Resume with TP 1, PP 1 and ZeRO-2" in out
 
 

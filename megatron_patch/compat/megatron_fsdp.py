@@ -86,13 +86,15 @@ def fsdp_tied_embedding_grad() -> None:
     replace(fmg, "_allreduce_embedding_grad", allreduce_embedding_grad)
 
 
-@register(upstream="megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:make_fsdp_dtensor",
+@register(upstream=("megatron/core/distributed/fsdp/src/megatron_fsdp/param_and_grad_buffer.py:make_fsdp_dtensor",
+                    "megatron/core/transformer/fsdp_dtensor_checkpoint.py:handle_swiglu_in_state_dict"),
           fixes="make_fsdp_dtensor(run_check=True) validates DTensor metadata with an all_gather_object over the "
                 "*world* group; pipeline stages hold different parameters, so the collectives mis-pair and hang: "
-                "skip that debug-only check",
-          fingerprint="45d638136716026e")
+                "skip that debug-only check (also where the checkpoint's SwiGLU split calls it with run_check=True)",
+          fingerprint="2278a946fafb0de0")
 def skip_dtensor_world_check() -> None:
     import megatron.core.distributed.fsdp.src.megatron_fsdp.param_and_grad_buffer as pgb
+    import megatron.core.transformer.fsdp_dtensor_checkpoint as checkpoint_helpers
 
     upstream = original(pgb, "make_fsdp_dtensor")
 
@@ -101,6 +103,7 @@ def skip_dtensor_world_check() -> None:
         return upstream(*args, **kwargs)
 
     replace(pgb, "make_fsdp_dtensor", make_fsdp_dtensor)
+    replace(checkpoint_helpers, "make_fsdp_dtensor", make_fsdp_dtensor)  # imported by name there
 
 
 @register(upstream="megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:"

@@ -23,7 +23,9 @@ group; DCP assembles every tensor from the chunks the ranks saved (any TP/PP/VPP
   fsdp_dtensor (ZeRO-2): `model.<state dict name>` with global layer numbers, in uneven row shards; a
       tied output layer's copy on the last pipeline stage is stored too and is left out here. These
       are Megatron-FSDP's fp32 main weights: a bf16 run's checkpoint reads as float32 (torch_dist saves
-      the model's own bf16 weights).
+      the model's own bf16 weights). SwiGLU's fc1 is stored as its halves `linear_fc1.weight_w` (gate)
+      and `_v` (up), read here as one [gate; up] tensor; an older checkpoint stored it whole, which at
+      TP > 1 interleaves the ranks' halves ([g0; u0; g1; u1]): put back in order here.
 
 Megatron-LM checkpoints without our checkpoint.json are refused (the stored configuration is needed).
 """
@@ -55,6 +57,8 @@ TE_NORMS = {"self_attention.linear_qkv.layer_norm_": "input_layernorm.",
 _LAYER = re.compile(r"^((?:decoder|encoder)\.layers\.)(\d+)\.(.+)$")
 # optimizer state: megatron-core's ChainedOptimizer (experts apart, EP > 1 or ETP != TP) saves chained_<n>.optimizer.*
 _OPTIMIZER = re.compile(r"^(chained_\d+\.)?optimizer\.")
+_SWIGLU_HALF = re.compile(r"^(.*\.linear_fc1\.(?:weight|bias))_([wv])$")  # fsdp_dtensor's split SwiGLU fc1
+_SWIGLU_FC1 = re.compile(r"\.linear_fc1\.(weight|bias)$")
 STACKED_EXPERTS = "mlp.experts.experts."  # a layer's routed experts, stacked along a leading expert dimension
 
 
@@ -159,6 +163,7 @@ class MegatronCheckpointReader(TensorIndex):  # keys(): embedding, layers 0..L-1
         if not isinstance(self.config.get("num_layers"), int):
             raise CheckpointError(f"{manifest_file} stores no configuration with num_layers; the reader needs the "
                                   f"configuration the checkpoint was trained with")
+        self._halves: Dict[str, Dict[str, str]] = {}  # fsdp_dtensor: a SwiGLU fc1 name -> its _w and _v keys
         self._storage = _MetadataOnce(self.path)
         self._metadata = self._read_metadata()
         self._where = self._index()
@@ -198,6 +203,10 @@ class MegatronCheckpointReader(TensorIndex):  # keys(): embedding, layers 0..L-1
                 m = _LAYER.match(name)
                 if m:
                     name = f"{m.group(1)}{m.group(2)}.{local_norm_name(m.group(3))}"
+                half = _SWIGLU_HALF.match(name)
+                if half:  # gate (_w) and up (_v) of one fc1: read as one tensor (get())
+                    self._halves.setdefault(half.group(1), {})[half.group(2)] = key
+                    name = half.group(1)
                 where[name] = (key, ())
             elif _OPTIMIZER.match(key):
                 continue
@@ -254,7 +263,10 @@ class MegatronCheckpointReader(TensorIndex):  # keys(): embedding, layers 0..L-1
     def shape_of(self, name: str) -> List[int]:
         """The full shape of `name` (from the metadata; nothing is read)."""
         _, index, md = self._lookup(name)
-        return list(md.size[len(index):])
+        shape = list(md.size[len(index):])
+        if name in self._halves:  # gate and up, of one shape each
+            shape[0] *= 2
+        return shape
 
     def dtype_of(self, name: str) -> torch.dtype:
         """The dtype `name` was saved in (bf16 runs save bf16 weights in torch_dist; see the module docstring)."""
@@ -263,6 +275,25 @@ class MegatronCheckpointReader(TensorIndex):  # keys(): embedding, layers 0..L-1
     def get(self, name: str) -> torch.Tensor:
         """The full tensor `name`, read from the checkpoint's chunks that hold it (and only those)."""
         key, index, md = self._lookup(name)
+        if name in self._halves:
+            halves = self._halves[name]
+            return torch.cat([self._read(halves[h], index, self._metadata.state_dict_metadata[halves[h]])
+                              for h in ("w", "v")])
+        t = self._read(key, index, md)
+        tp = self._interleaved_tp(name)
+        if tp > 1:  # an older ZeRO-2 checkpoint's fc1 at TP > 1: [g0; u0; g1; u1] -> [g0; g1; u0; u1]
+            t = t.reshape(tp, 2, t.shape[0] // (2 * tp), *t.shape[1:]).transpose(0, 1).reshape(t.shape)
+        return t
+
+    def _interleaved_tp(self, name: str) -> int:
+        """The TP size over which an older ZeRO-2 checkpoint interleaved SwiGLU fc1 `name` (1: not interleaved)."""
+        if self.format != FSDP_DTENSOR or not self.config.get("swiglu") or not _SWIGLU_FC1.search(name) \
+                or self.manifest.get("optimizer_sharding") == "fully_reshardable":
+            return 1
+        lay = self.manifest.get("layout", {})
+        return int(lay.get("etp", lay.get("tp", 1)) if ".experts." in name else lay.get("tp", 1))
+
+    def _read(self, key: str, index: Tuple[int, ...], md: TensorStorageMetadata) -> torch.Tensor:
         shape = list(md.size)
         offsets = [0] * len(shape)
         for dim, i in enumerate(index):  # one layer / one expert of a stacked tensor: a region of size 1 there

@@ -54,9 +54,10 @@ class Checkpointer(SaveSchedule):
         apply_safe_loading()
         self.format = fsdp_dtensor.FORMAT if cfg.zero_2_memory_optimization else torch_dist.FORMAT
         self.backend = BACKENDS[self.format]
-        # the distributed optimizer's format (ZeRO-1; torch_dist.py), recorded in the manifest
-        self.optim_sharding = (torch_dist.FULLY_RESHARDABLE if cfg.dist_ckpt_optim_fully_reshardable
-                               else torch_dist.DP_RESHARDABLE) if cfg.zero_stage == 1 else None
+        # the distributed optimizer's format, recorded in the manifest: ZeRO-1's choice (torch_dist.py); ZeRO-2
+        # checkpoints are fully reshardable since SwiGLU's fc1 is stored split (fsdp_dtensor.py)
+        self.optim_sharding = {1: torch_dist.FULLY_RESHARDABLE if cfg.dist_ckpt_optim_fully_reshardable
+                               else torch_dist.DP_RESHARDABLE, 2: fsdp_dtensor.FULLY_RESHARDABLE}.get(cfg.zero_stage)
         self.async_saver = None
         if cfg.async_save and cfg.save:
             from .async_save import AsyncSaver
@@ -106,8 +107,8 @@ class Checkpointer(SaveSchedule):
         return checkpoint_dir(root, iteration)
 
     def _sharding(self, optim_sharding: Optional[str]) -> Dict:
-        """The backend's keyword for the distributed optimizer's format (torch_dist only)."""
-        return {"optim_sharding": optim_sharding} if self.format == torch_dist.FORMAT and optim_sharding else {}
+        """The backend's keyword for the distributed optimizer's format."""
+        return {"optim_sharding": optim_sharding} if optim_sharding else {}
 
     def poll(self) -> None:
         """--async-save: publish the checkpoint being written once every rank has written its files (collective;
@@ -144,11 +145,12 @@ class Checkpointer(SaveSchedule):
                 "ZeRO-0 or --zero-1-memory-optimization"
             raise CheckpointError(f"{path} was written by a {'ZeRO-2' if saved['zero'] == 2 else 'ZeRO-0/1'} run "
                                   f"({manifest['format']} format); resume it with {wanted}")
-        if self.format == fsdp_dtensor.FORMAT and {**saved, "dp": 0} != {**mine, "dp": 0}:
-            # DCP reshards Megatron-FSDP's DTensors over another DP size; TP/PP/EP change their local shapes
-            raise CheckpointError(f"{path} is a ZeRO-2 checkpoint of layout {saved}; it loads into the same TP/PP/EP "
-                                  f"at any DP size (this run: {mine}). Resume with TP {saved['tp']}, PP {saved['pp']} "
-                                  f"and ZeRO-2.")
+        if self.format == fsdp_dtensor.FORMAT and {**saved, "dp": 0} != {**mine, "dp": 0} and \
+                manifest.get("optimizer_sharding") != fsdp_dtensor.FULLY_RESHARDABLE:
+            # an older ZeRO-2 checkpoint: its SwiGLU fc1 interleaves the TP ranks' halves (fsdp_dtensor.py)
+            raise CheckpointError(f"{path} is a ZeRO-2 checkpoint of layout {saved}, written before ZeRO-2 checkpoints "
+                                  f"became fully reshardable; it loads into the same TP/PP/EP at any DP size (this "
+                                  f"run: {mine}). Resume with TP {saved['tp']}, PP {saved['pp']} and ZeRO-2.")
         restore = restores(manifest, self.cfg)
         model_only, same_model_layout = restore.model_only, restore.same_model_layout
         optimizer_fits, load_optimizer = restore.optimizer_fits, restore.optimizer
