@@ -14,10 +14,14 @@ venv: $(STAMP)
 demo: $(STAMP)
 	bash pretrain_scripts/run_gpt.sh
 
-# The lint (ruff, configured in pyproject.toml) first: it takes about a second.
+# The lint (ruff, configured in pyproject.toml) first: it takes about a second. Then the default lane on JOBS
+# pytest-xdist workers, whole files each (tests/conftest.py hands out the heavy files first), and the tests timed
+# against the wall clock (marked serial) alone after it.
+JOBS ?= 2
 test: $(STAMP)
 	$(PY) -m ruff check .
-	$(PY) -m pytest -q -m "not slow and not gpu" --durations=15
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile -m "not slow and not gpu and not serial" --durations=15
+	$(PY) -m pytest -q -m "serial and not slow and not gpu"
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m "not gpu"

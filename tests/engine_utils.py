@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import socket
 import subprocess
 import sys
 from typing import Dict, List
@@ -18,16 +17,12 @@ from typing import Dict, List
 import pytest
 import torch
 
+from megatron_patch.ports import free_port  # noqa: F401 (the tests import it from here)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ("--mock-data --vocab-size 128 --num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 32 "
         "--micro-batch-size 2 --global-batch-size 8 --train-iters 5 --lr 1e-4 --log-interval 1 --eval-interval 5 "
         "--eval-iters 2 --hidden-dropout 0 --attention-dropout 0 --init-layout-invariant --seed 7").split()
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_engine(workdir, nproc: int, *args: str, base=TINY, check: bool = True, timeout: int = 900, script=None,

@@ -24,7 +24,6 @@ import datetime
 import faulthandler
 import json
 import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -33,6 +32,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from megatron_patch.ports import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORLD = 2
@@ -205,12 +206,6 @@ ORT_CASES = {
 ORT_REL = 1e-4  # ONNX Runtime's kernels reduce in their own order
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, names: list, cases: dict, out_dir: str, world: int, gpu: bool) -> None:
     faulthandler.enable(all_threads=True)  # a crash in native code (gloo) prints where each thread was
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -233,7 +228,7 @@ def _worker(rank: int, port: int, names: list, cases: dict, out_dir: str, world:
 
 def run_two_ranks(names, cases, tmp_path, world: int = WORLD, gpu: bool = False) -> list:
     try:
-        mp.spawn(_worker, args=(_free_port(), list(names), cases, str(tmp_path), world, gpu), nprocs=world, join=True)
+        mp.spawn(_worker, args=(free_port(), list(names), cases, str(tmp_path), world, gpu), nprocs=world, join=True)
     except mp.ProcessExitedException as e:
         # CI once saw a rank die by SIGABRT inside gloo's native code ("terminate called without an active
         # exception") midway through these cases, never reproduced. A death by a signal is retried once, loudly;
@@ -242,7 +237,7 @@ def run_two_ranks(names, cases, tmp_path, world: int = WORLD, gpu: bool = False)
             raise
         print(f"warning: a rank died by {e.signal_name} (see the traceback above); running the cases once more",
               file=sys.stderr)
-        mp.spawn(_worker, args=(_free_port(), list(names), cases, str(tmp_path), world, gpu), nprocs=world, join=True)
+        mp.spawn(_worker, args=(free_port(), list(names), cases, str(tmp_path), world, gpu), nprocs=world, join=True)
     return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
 
 
@@ -612,7 +607,7 @@ def _fsdp_on_one_gpu(rank: int, port: int, out: str) -> None:
 @pytest.mark.gpu
 def test_fsdp2_kernels_on_one_gpu(tmp_path):
     out = str(tmp_path / "fsdp1.json")
-    mp.spawn(_fsdp_on_one_gpu, args=(_free_port(), out), nprocs=1, join=True)
+    mp.spawn(_fsdp_on_one_gpu, args=(free_port(), out), nprocs=1, join=True)
     res = json.load(open(out))
     ref = res["offload=False,fp16=False"]
     assert "fused CUDA kernel" in ref["what"] and ref["device"] == "cuda"  # fused AdamW over DTensor shards

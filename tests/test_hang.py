@@ -18,6 +18,9 @@ from megatron_patch.config import ConfigError
 from megatron_patch.config.arguments import parse_args
 from megatron_patch.parallel.watchdog import Watchdog
 
+# timed against the wall clock: `make test` runs these alone, after the lane's two parallel workers
+pytestmark = pytest.mark.serial
+
 
 def _pair(heartbeat_s=0.5, step_s=None):
     """Two watchdogs on one store, their threads not started: the test publishes and asks for verdicts."""
