@@ -12,9 +12,9 @@ READ = "tests/test_conversion_io.py::test_reader_gives_the_tp1_models_state_dict
 
 PLANTS = [
     dict(name="zero2-only-same-layout", file="megatron_patch/training/checkpoint/checkpointer.py",
-         original='        if self.format == fsdp_dtensor.FORMAT and {**saved, "dp": 0} != {**mine, "dp": 0} and \\',
-         replacement="        if self.format == fsdp_dtensor.FORMAT and saved != mine and \\",
-         property="a ZeRO-2 checkpoint resumes at another DP size", tests=[ZERO2]),
+         original='                manifest.get("optimizer_sharding") != fsdp_dtensor.FULLY_RESHARDABLE:',
+         replacement="                True:",
+         property="a ZeRO-2 checkpoint resumes at another TP/PP size (refused before this was built)", tests=[ZERO2]),
     dict(name="zero2-older-any-tp", file="megatron_patch/training/checkpoint/checkpointer.py",
          original='                manifest.get("optimizer_sharding") != fsdp_dtensor.FULLY_RESHARDABLE:',
          replacement="                False:",
