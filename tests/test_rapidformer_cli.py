@@ -111,3 +111,19 @@ def test_what_a_run_needs_is_named():
         parsed("--user-script /nonexistent/script.py")
     with pytest.raises(SystemExit):
         parse_args(["--task", "masked_lm", "--no-such-flag"])
+
+
+def test_rendezvous_ports_come_from_outside_the_ephemeral_range():
+    """The launchers' MASTER_PORT (megatron_patch.ports.free_port): a port the OS hands out to outgoing connections
+    could be taken by another job's gloo connection before the rendezvous listens on it (seen as EADDRINUSE with two
+    test workers), so it is picked outside that range, and free now."""
+    import socket
+
+    from megatron_patch.ports import _ephemeral_range, free_port
+
+    lo, hi = _ephemeral_range()
+    for _ in range(20):
+        port = free_port()
+        assert not lo <= port <= hi and 1024 <= port < 65536, (port, lo, hi)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", port))

@@ -123,3 +123,12 @@ PLANTS += [
          property="a store gone with a finished rank 0 does not end a worker that is still finishing",
          tests=[f"{HANG}::test_a_store_gone_with_a_finished_rank_0_is_given_the_heartbeat_timeout"]),
 ]
+
+PLANTS += [
+    dict(name="rendezvous-port-from-ephemeral-range", file="megatron_patch/ports.py",
+         original="    for _ in range(100 if ranges else 0):",
+         replacement="    for _ in range(0):",
+         property="rendezvous ports come from outside the OS's ephemeral range (no EADDRINUSE against gloo's "
+                  "connections)",
+         tests=["tests/test_rapidformer_cli.py::test_rendezvous_ports_come_from_outside_the_ephemeral_range"]),
+]
