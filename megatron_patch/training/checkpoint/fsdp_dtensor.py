@@ -33,11 +33,11 @@ from megatron_patch.compat.megatron_fsdp import (
 )
 
 from . import rng
-from .torch_dist import unwrap
+# the manifest's optimizer_sharding value, shared with ZeRO-1's format: here it means SwiGLU fc1 stored split
+from .torch_dist import FULLY_RESHARDABLE, unwrap
 
 FORMAT = "fsdp_dtensor"
 OPT_METADATA = {"distrib_optim_sharding_type": "fsdp_dtensor"}
-FULLY_RESHARDABLE = "fully_reshardable"  # the manifest's optimizer_sharding: SwiGLU fc1 stored split (docstring)
 TIED_COPY, EMBEDDING = "output_layer.weight", "embedding.word_embeddings.weight"
 
 
