@@ -1,14 +1,16 @@
 """The planner against the engine on one GPU: measure the per-layer speed table, then predict and measure six
 single-GPU configurations (peak memory and step time), side by side, in one run.
 
-1. layer speed: for each layer shape, the engine with 1 and with 3 layers (bf16, SDPA, eager, mock data); the
-   difference of their median step times is two layers' forward + backward, hence a layer's achieved TFLOP/s at its
-   forward FLOPs per token (planning/timing.py layer_flops_per_token). Printed as the table planning/layer_speed.py
-   keeps.
+1. layer speed: for each layer shape, the engine with 1 and with 3 layers (bf16, SDPA, eager, mock data), at the
+   shape's micro batch and at twice it; the difference of the median step times of 3 and 1 layers is two layers'
+   forward + backward, and the two micro-batch sizes split it into a rate (TFLOP/s at the layer's forward FLOPs per
+   token, planning/timing.py layer_flops_per_token) and a fixed cost per micro batch (planning/layer_speed.py
+   fit_row). Printed as the table planning/layer_speed.py keeps.
 2. validation: six configurations of the engine on one GPU, each predicted by the planner (with the table just
    measured) and measured (median step time after warm-up; torch.cuda.max_memory_allocated).
 
-    python benchmarks/bench_planner.py [--out DIR] [--steps 8] [--warmup 3]
+    python benchmarks/bench_planner.py [--out DIR] [--steps 8] [--warmup 3] [--table-out F | --table-in F]
+(--table-out after the table, --table-in instead of measuring it: the two halves in two calls on one card)
 Every engine run is one `main()` call of pretrain_megatron_gpt.py in this process (imports paid once).
 """
 from __future__ import annotations
@@ -93,27 +95,35 @@ def card_key() -> str:
 
 
 def measure_layers(out, steps, warmup):
+    """The table: each shape's layer at its micro batch and at twice it, so that layer_speed.fit_row separates the
+    rate from the fixed cost per micro batch."""
     from megatron_patch.config import parse_args
+    from megatron_patch.planning.layer_speed import fit_row
     from megatron_patch.planning.timing import layer_flops_per_token
 
     table = []
     for h, ffn, heads, groups, seq, mbs in LAYER_SHAPES:
-        flags = [*LLAMA, "--hidden-size", str(h), "--ffn-hidden-size", str(ffn), "--num-attention-heads", str(heads),
-                 "--num-query-groups", str(groups), "--seq-length", str(seq), "--micro-batch-size", str(mbs),
-                 "--global-batch-size", str(mbs * 2), "--train-iters", str(steps)]
-        times = {}
         pair = (1, 2) if h >= 8192 else (1, 3)  # a 70B-wide layer: 2 of them with Adam state fill most of 80 GB
-        for layers in pair:
-            lines = _run([*flags, "--num-layers", str(layers)], os.path.join(out, f"layers_{h}_{layers}.jsonl"))
-            times[layers] = _median_step(lines, warmup)
-        cfg = parse_args([*flags, "--num-layers", "1"])
-        f = layer_flops_per_token(cfg, moe=False)
-        tokens = 2 * mbs * seq  # two micro batches per step
-        per_layer = (times[pair[1]] - times[1]) / (pair[1] - 1)
-        tflops = 3 * f * tokens / per_layer / 1e12
-        table.append((f, tflops))
-        print(f"layer h{h} ffn{ffn} seq{seq} mbs{mbs}: {1000 * per_layer / 2:.2f} ms per micro batch, "
-              f"{f:.3g} FLOPs/token, {tflops:.0f} TFLOP/s", flush=True)
+        per_layer, tokens = [], []
+        for micro in (mbs, 2 * mbs):
+            flags = [*LLAMA, "--hidden-size", str(h), "--ffn-hidden-size", str(ffn), "--num-attention-heads",
+                     str(heads), "--num-query-groups", str(groups), "--seq-length", str(seq), "--micro-batch-size",
+                     str(micro), "--global-batch-size", str(micro * 2), "--train-iters", str(steps)]
+            times = {}
+            for layers in pair:
+                lines = _run([*flags, "--num-layers", str(layers)],
+                             os.path.join(out, f"layers_{h}_mbs{micro}_{layers}.jsonl"))
+                times[layers] = _median_step(lines, warmup)
+            # two micro batches per step: one layer's forward + backward of one micro batch
+            per_layer.append((times[pair[1]] - times[1]) / (pair[1] - 1) / 2)
+            tokens.append(micro * seq)
+        cfg = parse_args([*LLAMA, "--hidden-size", str(h), "--ffn-hidden-size", str(ffn), "--num-attention-heads",
+                          str(heads), "--num-query-groups", str(groups), "--seq-length", str(seq), "--num-layers", "1"])
+        row = fit_row(layer_flops_per_token(cfg, moe=False), tuple(tokens), tuple(per_layer))
+        table.append(row)
+        print(f"layer h{h} ffn{ffn} seq{seq}: {1000 * per_layer[0]:.2f} ms per micro batch of {tokens[0]} tokens, "
+              f"{1000 * per_layer[1]:.2f} ms of {tokens[1]}: {row[1]:.0f} TFLOP/s + {1000 * row[2]:.2f} ms fixed",
+              flush=True)
     table.sort()
     return table
 
@@ -154,6 +164,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--skip-layers", action="store_true", help="validate with the table in planning/layer_speed.py")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, for a CPU: the script's own check")
+    ap.add_argument("--table-out", help="write the measured table (JSON) here and stop before validating")
+    ap.add_argument("--table-in", help="validate with this table (from --table-out on the same kind of card)")
     a = ap.parse_args()
     if a.smoke:
         _smoke()
@@ -163,10 +175,18 @@ def main() -> None:
     from megatron_patch.planning import layer_speed
 
     card = card_key()
-    if not a.skip_layers:
+    if a.table_in:
+        saved = json.load(open(a.table_in))
+        if saved["card"] != card:
+            raise SystemExit(f"--table-in {a.table_in} was measured on {saved['card']}, this is {card}")
+        layer_speed.MEASURED[card] = [tuple(r) for r in saved["table"]]
+    elif not a.skip_layers:
         table = measure_layers(a.out, a.steps, a.warmup)
         layer_speed.MEASURED[card] = table
-        print(f"MEASURED[{card!r}] = {[(float(f'{f:.4g}'), round(t, 1)) for f, t in table]}")
+        print(f"MEASURED[{card!r}] = {[(float(f'{f:.4g}'), round(t, 1), float(f'{c:.3g}')) for f, t, c in table]}")
+        if a.table_out:
+            json.dump({"card": card, "table": table}, open(a.table_out, "w"))
+            return
     rows = validate(a.out, a.steps, a.warmup, card)
     with open(os.path.join(a.out, "bench_planner.json"), "w") as f:
         json.dump({"card": card, "table": layer_speed.MEASURED.get(card), "rows": rows}, f,

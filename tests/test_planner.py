@@ -171,3 +171,37 @@ def test_plan_reads_a_hugging_face_model_directory(tmp_path):
     p = _plan("--model", str(tmp_path), "--gpus", "8", "--seq-length", "4096", "--global-batch-size", "64", "--top", "2")
     assert p.returncode == 0, p.stderr
     assert "1.24B parameters, 16 layers, hidden 2048, vocabulary 128256" in p.stdout
+
+
+def test_layer_time_is_a_fixed_cost_plus_a_rate():
+    """layer_speed: a row fitted from two micro-batch sizes splits a layer's time into its rate and its fixed cost
+    (the host launching kernels), and the planner's compute time adds the fixed cost once per layer and micro
+    batch, a third of it per extra forward (full recompute)."""
+    from megatron_patch.planning import layer_speed
+    from megatron_patch.planning.hardware import GPUS
+    from megatron_patch.planning.timing import layer_flops_per_token, step_time
+
+    f = 3.0e7
+    seconds = [0.002 + 3 * f * n / 300e12 for n in (8192, 16384)]  # 2 ms fixed, 300 TFLOP/s
+    row = layer_speed.fit_row(f, (8192, 16384), tuple(seconds))
+    assert row == (f, pytest.approx(300.0), pytest.approx(0.002))
+    assert layer_speed.fit_row(f, (8192, 16384), (0.004, 0.004))[2] == 0.0  # noise: no fixed part, no crash
+    argv = ["--model-family", "llama", "--num-layers", "4", "--hidden-size", "1024", "--ffn-hidden-size", "2816",
+            "--num-attention-heads", "8", "--seq-length", "2048", "--micro-batch-size", "4",
+            "--global-batch-size", "8", "--bf16"]
+    g, key = GPUS["h100-80gb"], "h100-80gb"
+    saved = layer_speed.MEASURED[key]
+    try:
+        fl = layer_flops_per_token(parse_args(argv), moe=False)
+        layer_speed.MEASURED[key] = [(fl / 10, 300.0, 0.002), (fl * 10, 300.0, 0.002)]
+        with_fixed = {r: step_time(parse_args([*argv, *r]), 32000, 1, g).compute
+                      for r in ((), ("--recompute-granularity", "full"))}
+        layer_speed.MEASURED[key] = [(fl / 10, 300.0), (fl * 10, 300.0)]
+        without = {r: step_time(parse_args([*argv, *r]), 32000, 1, g).compute
+                   for r in ((), ("--recompute-granularity", "full"))}
+    finally:
+        layer_speed.MEASURED[key] = saved
+    # 4 layers x 2 micro batches: 8 x 2 ms, and 8 x 2 ms x 4/3 with full recompute's extra forward
+    assert with_fixed[()] - without[()] == pytest.approx(8 * 0.002)
+    full = ("--recompute-granularity", "full")
+    assert with_fixed[full] - without[full] == pytest.approx(8 * 0.002 * 4 / 3)

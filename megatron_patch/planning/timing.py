@@ -3,8 +3,8 @@ the layer's shape; communication from bandwidth; the pipeline bubble from the sc
 
 - compute: a layer's forward + backward FLOPs per token on one rank (its GEMMs, 1/TP of them, and causal
   attention), divided by the speed one GPU reached on a layer of that size (interpolated in log FLOPs), times the
-  tokens of a micro batch; full recompute adds a forward, selective recompute the core attention's forward. The
-  last stage adds the output layer.
+  tokens of a micro batch, plus the layer's fixed cost per micro batch (layer_speed.py); full recompute adds a
+  forward, selective recompute the core attention's forward. The last stage adds the output layer.
 - tensor parallelism: per layer and micro batch four all-reduces (or all-gather + reduce-scatter pairs with
   sequence parallelism, the same bytes) of the activations, six with full recompute; not overlapped.
 - pipeline: (PP - 1) / VPP micro batches of bubble, and the activations' point-to-point transfers.
@@ -22,7 +22,7 @@ from typing import Dict
 from megatron_patch.config.memory_model import chunk_layers, padded_vocab, rank_state_bytes
 
 from .hardware import Gpu
-from .layer_speed import achieved_tflops
+from .layer_speed import achieved_tflops, fixed_seconds
 
 
 def layer_flops_per_token(cfg, moe: bool) -> float:
@@ -109,7 +109,8 @@ def step_time(cfg, vocab_size: int, world_size: int, g: Gpu, intra_gbps: float =
         again = 2 * cfg.seq_length * heads * d / tp if cfg.recompute_granularity == "selective" else 0.0
         for x in layers:
             f = layer_flops_per_token(cfg, x in moe_layers)
-            compute += (passes * f + again) * tokens / (achieved_tflops(g, f) * 1e12)
+            # the fixed part per pass: a forward is about a third of the kernels of forward + backward
+            compute += (passes * f + again) * tokens / (achieved_tflops(g, f) * 1e12) + passes / 3 * fixed_seconds(g, f)
             tp_comm += (6 if full else 4) * _ring(tp, act_bytes, bw_tp, all_reduce=True)
             if x in moe_layers and ep > 1:
                 routed = act_bytes * cfg.moe_router_topk * (ep - 1) / ep

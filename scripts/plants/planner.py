@@ -48,4 +48,12 @@ PLANTS = [
          original="        return float(min(m, pp - pp_rank))", replacement="        return 1.0",
          property="a 1F1B stage holds PP - rank micro batches",
          tests=[f"{T}::test_activation_estimate_follows_recompute_and_the_schedule"]),
+    dict(name="layer-time-without-fixed-cost", file="megatron_patch/planning/timing.py",
+         original=" + passes / 3 * fixed_seconds(g, f)", replacement="",
+         property="a layer's time per micro batch adds its fixed cost (launches) to FLOPs over the rate",
+         tests=[f"{T}::test_layer_time_is_a_fixed_cost_plus_a_rate"]),
+    dict(name="fit-fixed-from-one-batch", file="megatron_patch/planning/layer_speed.py",
+         original="        fixed = t1 - 3 * flops * n1 / rate", replacement="        fixed = 0.0",
+         property="the fixed cost is the intercept of the two micro-batch sizes' times",
+         tests=[f"{T}::test_layer_time_is_a_fixed_cost_plus_a_rate"]),
 ]
