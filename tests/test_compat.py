@@ -304,3 +304,23 @@ def test_set_param_group_lr_range_of_each_chained_member():
     compat_optimizer.set_param_group_lr_range(chained, 2e-4, 1e-5)
     assert [(g["max_lr"], g["min_lr"], g["wd_mult"]) for m in members for g in m.param_groups] == \
         [(2e-4, 1e-5, 0.0), (2e-4, 1e-5, 1.0)] * 2
+
+
+def test_moe_tracker_tensors_exist_before_capture():
+    """The tracker's tensors are created before the first step, marked static for CUDA graphs, and record() and
+    clear() keep adding into that same storage (a tensor created inside a CUDA graph would be its output)."""
+    from megatron.core.transformer.moe.moe_logging import MoEMetricsTracker
+
+    from megatron_patch.compat.moe import tracker_tensors_before_capture
+
+    tracker, counts = MoEMetricsTracker(), torch.zeros(4, 3, dtype=torch.int64)
+    tracker_tensors_before_capture(tracker, ["load_balancing_loss", "z_loss"], 4, "cpu", extra=[counts])
+    values = tracker._metrics["load_balancing_loss"].values
+    assert values.shape == (4,) and tracker._metrics["z_loss"].values.shape == (4,)
+    for t in (values, counts):
+        assert getattr(t, "_dynamo_static_input_type", None) is not None
+    tracker.record("load_balancing_loss", torch.tensor(2.5), layer_number=2, num_layers=4)
+    tracker.clear()
+    tracker.record("load_balancing_loss", torch.tensor(1.5), layer_number=3, num_layers=4)
+    assert tracker._metrics["load_balancing_loss"].values is values
+    assert values.tolist() == [0.0, 0.0, 1.5, 0.0]

@@ -164,6 +164,25 @@ def moe_tracked_means(tracker, names: List[str], loss_scale: float, num_layers: 
     return out
 
 
+@register(upstream=("megatron/core/transformer/moe/moe_logging.py:MoEMetricsTracker.record",
+                    "megatron/core/transformer/moe/moe_logging.py:MoEMetricsTracker.ensure_initialized",
+                    "megatron/core/transformer/moe/moe_logging.py:MoEMetricsTracker.clear"),
+          fixes="the tracker creates a metric's per-layer tensor at the first record(), inside the router's "
+                "forward: under --compile-mode reduce-overhead that tensor is an output of the first CUDA graph, and "
+                "the next step's in-place add into it fails (a graph's output is overwritten by its next replay). "
+                "Create the tracked metrics' tensors before the first step and mark their addresses static, so "
+                "that CUDA graphs update them in place (clear() zeroes them in place, keeping the address)",
+          fingerprint="14cc064094a3075f")
+def tracker_tensors_before_capture(tracker, names: List[str], num_layers: int, device,
+                                   extra: Iterable[torch.Tensor] = ()) -> None:
+    """Create `tracker`'s entries for `names` ([num_layers] zeros on `device`) and mark them, and the tensors of
+    `extra` (other per-step accumulators a compiled layer adds into), as static addresses for CUDA graphs."""
+    for name in names:
+        tracker.ensure_initialized(name, num_layers, device)
+    for t in [tracker._metrics[n].values for n in names] + list(extra):
+        torch._dynamo.mark_static_address(t)
+
+
 @register(upstream=("megatron/core/tensor_parallel/mappings.py:reduce_from_tensor_model_parallel_region",
                     "megatron/core/tensor_parallel/mappings.py:reduce_scatter_to_sequence_parallel_region",
                     "megatron/core/tensor_parallel/mappings.py:_reduce",

@@ -19,7 +19,7 @@ from megatron.core import parallel_state as mpu
 from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
 from megatron.core.transformer.moe.router import Router
 
-from megatron_patch.compat.moe import moe_tracked_means
+from megatron_patch.compat.moe import moe_tracked_means, tracker_tensors_before_capture
 from megatron_patch.config import Config
 from megatron_patch.parallel import current_device
 
@@ -43,6 +43,9 @@ class MoEMetrics:
         # On the device the routers run on: the counts add up there without a host sync, and NCCL reduces them.
         self.counts = torch.zeros(cfg.num_layers, cfg.num_experts, dtype=torch.int64, device=current_device())
         self._layers = torch.tensor(cfg.moe_layers(), device=current_device())  # the MoE layers' rows of counts
+        # Created now, not at the first record(): compiled layers with CUDA graphs add into them in place.
+        tracker_tensors_before_capture(get_moe_metrics_tracker(), _tracked_names(cfg), cfg.num_layers,
+                                       current_device(), extra=[self.counts])
         for chunk in model:
             for module in chunk.modules():
                 if isinstance(module, Router):
