@@ -100,6 +100,21 @@ def test_moe_bf16_tracks_fp32(tmp_path):
         [x["moe_tokens_per_expert"] for x in lines if "moe_tokens_per_expert" in x][0]
 
 
+def test_moe_layers_under_cuda_graphs(tmp_path):
+    """--moe-grouped-gemm at EP 1 with --compile-mode reduce-overhead: the whole MoE layer (router, device dispatcher,
+    grouped experts) replayed as CUDA graphs, none skipped, trains like eager, and the auxiliary loss the routers
+    record inside the graphs is still reported (compat/moe.py tracker_tensors_before_capture)."""
+    moe = [*GPU, "--bf16", "--num-experts", "4", "--moe-router-topk", "2", "--disable-bias-linear",
+           "--moe-aux-loss-coeff", "0.01", "--moe-grouped-gemm"]
+    eager, _ = run_engine(tmp_path / "eager", 1, *moe)
+    graphs, _ = run_engine(tmp_path / "graphs", 1, *moe, "--compile", "--compile-mode", "reduce-overhead")
+    close(train_losses(graphs), train_losses(eager), rel=1e-2)
+    assert per_iteration(graphs, "cudagraph_skips")[-1] == 0
+    aux = [per_iteration(x, "moe_load_balancing_loss") for x in (eager, graphs)]
+    assert aux[1] and all(v > 0 for v in aux[1])
+    close(aux[1], aux[0], rel=2e-2)
+
+
 TODAY = {  # today's families on the GPU: Llama 3.x RoPE scaling, Qwen3's q/k norms, DeepSeek's multi-latent attention
     "llama3": ["--model-family", "llama3", "--num-query-groups", "2"],
     "qwen3": ["--model-family", "qwen3", "--num-query-groups", "2", "--kv-channels", "96"],
