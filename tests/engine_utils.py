@@ -44,12 +44,28 @@ def run_engine(workdir, nproc: int, *args: str, base=TINY, check: bool = True, t
     else:
         launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-port",
                     str(free_port())] if nproc > 1 or torchrun else [sys.executable]
-        proc = subprocess.run([*launcher, *entry], capture_output=True, text=True, cwd=str(workdir), env=env,
-                              timeout=timeout)
+        proc = run_in_group([*launcher, *entry], timeout, cwd=str(workdir), env=env)
     if check and proc.returncode != 0:
         raise AssertionError(f"engine failed ({proc.returncode}): {' '.join(args)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     lines = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
     return lines, proc
+
+
+def run_in_group(cmd: List[str], timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs), with the command in a session
+    of its own: at the timeout the whole group is killed (torchrun and the workers it started; subprocess.run kills
+    only torchrun, which leaves its workers running into the next tests), then TimeoutExpired is raised."""
+    import signal
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def _run_workers_directly(nproc: int, cmd: List[str], cwd: str, env: Dict[str, str], timeout: int):

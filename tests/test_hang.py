@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 import time
 
 import pytest
 import torch.distributed as dist
 
-from engine_utils import ROOT, TINY, free_port
+from engine_utils import ROOT, TINY, free_port, run_in_group
 from megatron_patch.config import ConfigError
 from megatron_patch.config.arguments import parse_args
 from megatron_patch.parallel.watchdog import Watchdog
@@ -114,7 +113,7 @@ def test_a_stopped_worker_ends_the_job_naming_its_rank(tmp_path):
            "--distributed-timeout-minutes", "2"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", FAULT_AT="3", FAULT_SIGNAL="SIGSTOP",
                FAULT_STAMP=str(stamp))
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), timeout=240, env=env)
+    proc = run_in_group(cmd, 240, cwd=str(tmp_path), env=env)
     ended = time.time()
     stopped_at, pid = stamp.read_text().split()
     assert proc.returncode != 0
@@ -139,7 +138,7 @@ def test_a_rank_that_never_reaches_the_collective_ends_the_job_after_the_step_ti
            "60", "--distributed-timeout-minutes", "5"]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", FAULT_AT="3", FAULT_SIGNAL="LOOP",
                FAULT_STAMP=str(tmp_path / "fault"))
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(tmp_path), timeout=240, env=env)
+    proc = run_in_group(cmd, 240, cwd=str(tmp_path), env=env)
     ended = time.time()
     stopped_at, _ = (tmp_path / "fault").read_text().split()
     out = proc.stdout + proc.stderr

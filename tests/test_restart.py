@@ -9,10 +9,11 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
-from engine_utils import ROOT, TINY, free_port, run_engine
+from engine_utils import ROOT, TINY, free_port, run_engine, run_in_group
 
 ARGS = ["--train-iters", "6", "--eval-iters", "0", "--save-interval", "2", "--hidden-dropout", "0.1",
         "--attention-dropout", "0.1"]
@@ -24,8 +25,8 @@ def _torchrun(workdir, max_restarts: int, env: dict, *args: str):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--max-restarts",
            str(max_restarts), "--master-port", str(free_port()), os.path.join(ROOT, "tests", "fault_worker.py"),
            *TINY, *args, "--metrics-file", metrics]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=str(workdir), timeout=300,
-                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env))
+    proc = run_in_group(cmd, 300, cwd=str(workdir),
+                        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", **env))
     lines = [json.loads(x) for x in open(metrics)] if os.path.exists(metrics) else []
     return proc, lines
 
@@ -140,3 +141,18 @@ def test_rapidformer_max_restarts_is_refused_for_fine_tuning_and_below_zero():
     refuse_unused(front_args(["--task", "pretraining", "--max-restarts", "2"]), ["pt"])  # acts there
     proc = rapidformer("--task", "pretraining", "--max-restarts", "-1")
     assert proc.returncode == 2 and "--max-restarts -1: give 0 or more restarts" in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_launch_that_times_out_leaves_no_worker_behind(tmp_path):
+    """run_in_group (the tests' torchrun launches): at the timeout the launcher's children die with it."""
+    pid_file = tmp_path / "child"
+    code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            f" open({str(pid_file)!r}, 'w').write(str(p.pid)); time.sleep(60)")
+    start = time.time()
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_in_group([sys.executable, "-c", code], 3)
+    assert time.time() - start < 20  # a child left alive holds the output pipes open: it would wait for its sleep
+    status = f"/proc/{int(pid_file.read_text())}/status"
+    time.sleep(0.5)
+    # gone, or a zombie waiting for whoever adopted it to reap it
+    assert not os.path.exists(status) or "\tZ" in open(status).read().split("State:")[1].splitlines()[0]

@@ -132,3 +132,10 @@ PLANTS += [
                   "connections)",
          tests=["tests/test_rapidformer_cli.py::test_rendezvous_ports_come_from_outside_the_ephemeral_range"]),
 ]
+
+PLANTS += [
+    dict(name="test-launch-timeout-kills-launcher-only", file="tests/engine_utils.py",
+         original="        os.killpg(proc.pid, signal.SIGKILL)\n", replacement="        proc.kill()\n",
+         property="a test's torchrun launch that times out takes its workers with it",
+         tests=["tests/test_restart.py::test_a_launch_that_times_out_leaves_no_worker_behind"]),
+]
