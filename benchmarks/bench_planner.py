@@ -128,6 +128,22 @@ def measure_layers(out, steps, warmup):
     return table
 
 
+def _kept_rows(table, shapes):
+    """The rows of `table` (this card's committed one) for the layer shapes not measured now."""
+    from megatron_patch.config import parse_args
+    from megatron_patch.planning.timing import layer_flops_per_token
+
+    kept = []
+    for h, ffn, heads, groups, seq, _ in shapes:
+        f = layer_flops_per_token(parse_args([*LLAMA, "--hidden-size", str(h), "--ffn-hidden-size", str(ffn),
+                                              "--num-attention-heads", str(heads), "--num-query-groups", str(groups),
+                                              "--seq-length", str(seq), "--num-layers", "1"]), moe=False)
+        row = min(table, key=lambda r: abs(r[0] / f - 1))
+        assert abs(row[0] / f - 1) < 1e-2, f"no row for h{h} in this card's table"
+        kept.append(tuple(row) + (0.0,) * (3 - len(row)))
+    return kept
+
+
 def validate(out, steps, warmup, card):
     from megatron_patch.config import parse_args
     from megatron_patch.config.fit import peak_memory
@@ -164,6 +180,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--skip-layers", action="store_true", help="validate with the table in planning/layer_speed.py")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, fp32, for a CPU: the script's own check")
+    ap.add_argument("--hidden-sizes", help="measure only the layer shapes of these hidden sizes (comma list); the "
+                    "other rows come from planning/layer_speed.py's table for this card")
     ap.add_argument("--table-out", help="write the measured table (JSON) here and stop before validating")
     ap.add_argument("--table-in", help="validate with this table (from --table-out on the same kind of card)")
     a = ap.parse_args()
@@ -181,7 +199,14 @@ def main() -> None:
             raise SystemExit(f"--table-in {a.table_in} was measured on {saved['card']}, this is {card}")
         layer_speed.MEASURED[card] = [tuple(r) for r in saved["table"]]
     elif not a.skip_layers:
-        table = measure_layers(a.out, a.steps, a.warmup)
+        kept = []
+        if a.hidden_sizes:
+            global LAYER_SHAPES
+            wanted = {int(x) for x in a.hidden_sizes.split(",")}
+            skipped = [x for x in LAYER_SHAPES if x[0] not in wanted]
+            LAYER_SHAPES = [x for x in LAYER_SHAPES if x[0] in wanted]
+            kept = _kept_rows(layer_speed.MEASURED.get(card, []), skipped)
+        table = sorted(measure_layers(a.out, a.steps, a.warmup) + kept)
         layer_speed.MEASURED[card] = table
         print(f"MEASURED[{card!r}] = {[(float(f'{f:.4g}'), round(t, 1), float(f'{c:.3g}')) for f, t, c in table]}")
         if a.table_out:
