@@ -281,6 +281,20 @@ def test_reader_puts_an_older_zero2_checkpoints_swiglu_fc1_in_order(checkpoint, 
         assert torch.equal(reader.get(key), tensor.float()), key
 
 
+def test_zero2_export_verifies_through_the_engines_own_loading(checkpoint, tmp_path):
+    """mcore2hf --verify of the TP2 PP2 ZeRO-2 SwiGLU checkpoint (a bf16 run: fp32 main weights, exported in bf16):
+    verify builds its TP1 model through the engine's resume path (Megatron-FSDP wrapped, fsdp_dtensor), not through
+    the reader the export read, so a reader bug (fc1's gate/up halves: plant reader-fc1-halves-caught-by-verify)
+    makes it fail instead of being repeated by it. Budget ~15 s (one verify process)."""
+    from conversion_utils import explain, run_convert
+
+    out = str(tmp_path / "hf")
+    proc = run_convert("--direction", "mcore2hf", "--load-dir", checkpoint("llama_tp2pp2_zero2_bf16"), "--save-dir", out)
+    assert proc.returncode == 0 and "verify passed" in proc.stdout, explain(proc)
+    assert "verify: the checkpoint's float32 weights rounded to bfloat16" in proc.stdout, explain(proc)
+    assert "conversion's reader" not in proc.stdout and "own layout" not in proc.stdout, explain(proc)
+
+
 @pytest.mark.parametrize("name", ["tp1", "llama_tp2dp2_zero1_bf16", "llama_tp2pp2_zero2_bf16"])
 def test_reader_agrees_with_dcp_to_torch_save(name, checkpoint):
     """A second route to the full weights: torch converts the whole checkpoint at once (full_weights

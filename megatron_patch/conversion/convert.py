@@ -37,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from megatron_patch.ports import free_port
 
@@ -302,10 +302,31 @@ def mcore2hf(a: argparse.Namespace) -> int:
         name = _write_export(a, reader, cfg, family, info, rules, staging)
         if not a.verify:
             return 0
-        return run_workers(1, ["verify", "--load-dir", a.load_dir, "--hf-dir", staging, "--dtype", DTYPES[name]]
-                           + (["--debug"] if a.debug else []))
+        nproc, layout = verify_layout(reader.manifest)
+        return run_workers(nproc, ["verify", "--load-dir", a.load_dir, "--hf-dir", staging, "--dtype", DTYPES[name],
+                                   *layout] + (["--debug"] if a.debug else []))
 
     return publish(a.save_dir, "mcore2hf", export, a.verify)
+
+
+def verify_layout(manifest: dict) -> Tuple[int, List[str]]:
+    """(processes, the worker's layout flags) mcore2hf verifies an export at: one process (TP1 PP1), which the engine
+    loads any checkpoint into, except a ZeRO-2 checkpoint written before they became fully reshardable, which it
+    loads at its own TP/PP/EP only: verify runs there (said in one line). With VPP the worker cannot build that
+    layout and reads the weights with the conversion's reader instead (it says so)."""
+    from megatron_patch.config.resume import bound_to_saved_layout
+
+    saved = manifest.get("layout", {})
+    tp, pp, ep = saved.get("tp", 1), saved.get("pp", 1), saved.get("ep", 1)
+    etp = saved.get("etp", tp)
+    if not bound_to_saved_layout(manifest) or saved.get("vpp", 1) > 1 or (tp, pp, ep, etp) == (1, 1, 1, 1):
+        return 1, []
+    nproc = pp * math.lcm(tp, ep * etp)
+    experts = ["--ep", str(ep), "--etp", str(etp)] if "ep" in saved else []  # an MoE model's expert layout
+    print(f"mcore2hf: verify at the checkpoint's own layout, TP {tp} PP {pp}" + (f" EP {ep} ETP {etp}" if experts
+          else "") + f" ({nproc} processes): a ZeRO-2 checkpoint written before ZeRO-2 checkpoints became fully "
+          f"reshardable loads into the engine at that layout only", flush=True)
+    return nproc, ["--tp", str(tp), "--pp", str(pp), *experts]
 
 
 def _export_peft(a: argparse.Namespace, reader, cfg, info: dict, rules, out: str) -> int:
@@ -326,7 +347,8 @@ def _export_peft(a: argparse.Namespace, reader, cfg, info: dict, rules, out: str
           f"{a.save_dir}; base model {base}", flush=True)
     if not a.verify:
         return 0
-    return run_workers(1, ["verify", "--load-dir", a.load_dir, "--hf-dir", out, "--dtype", DTYPES[name]]
+    nproc, layout = verify_layout(reader.manifest)
+    return run_workers(nproc, ["verify", "--load-dir", a.load_dir, "--hf-dir", out, "--dtype", DTYPES[name], *layout]
                        + (["--debug"] if a.debug else []))
 
 
