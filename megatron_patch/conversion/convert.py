@@ -16,7 +16,9 @@ checkpoint's origin (trained in the engine, converted, or trained after a conver
 leaves the engine, so it is proved unless `--no-verify` says otherwise (e.g. a model too large to hold twice
 in fp32). hf2mcore verifies on request (`--verify`). The rule: what leaves the engine is proved by default;
 an import has every tensor checked for use and shape as it loads, and the model trained from it is proved
-when it is exported, so by default it does not pay for a second model in fp32.
+when it is exported, so by default it does not pay for a second model in fp32. Verify's engine model is loaded
+by the engine's own checkpoint loading (the resume path), never by the reader the export read (mcore_reader.py):
+a reader bug makes the two models differ instead of being repeated on both sides (worker.py).
 
 Both directions stage (publish()): the workers write into a hidden `.<name>.partial-*` directory next to
 --save-dir, --verify reads it there, and it is renamed to --save-dir only once complete and verified. A

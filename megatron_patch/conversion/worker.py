@@ -204,10 +204,12 @@ def _reader_model(cfg, path: str) -> List:
 def saved_weights_dtype(manifest: Dict) -> str:
     """The dtype the checkpoint of `manifest` holds its weights in: Megatron-FSDP (ZeRO-2) saves its fp32 main
     weights, dist_checkpointing (ZeRO-0/1, conversions) the model's own, in the run's precision."""
-    config = manifest.get("config", {})
+    from megatron_patch.config import Config
+
     if manifest.get("format") == "fsdp_dtensor":
         return "float32"
-    return {"bf16": "bfloat16", "fp16": "float16"}.get(config.get("precision", ""), "float32")
+    cfg = Config.from_flat(manifest.get("config", {}))  # the run's precision, as any version stored it
+    return "bfloat16" if cfg.bf16 else "float16" if cfg.fp16 else "float32"
 
 
 @torch.no_grad()
