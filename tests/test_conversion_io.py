@@ -258,21 +258,33 @@ def test_reader_gives_the_tp1_models_state_dict(name, checkpoint, reference):
 
 def _older_zero2_checkpoint(root: str, path):
     """A ZeRO-2 checkpoint as written before fc1 was stored split, at `path`, made from today's TP2 checkpoint under
-    `root`: its model tensors (weights only) with fc1 whole and interleaved, the manifest without the
-    fully-reshardable mark."""
+    `root` (read whole by torch's dcp_to_torch_save, not by the reader under test): its model entries (weights and
+    _extra_state; no optimizer state) with each fc1 whole and interleaved, [g0; u0; g1; u1], the manifest without
+    the fully-reshardable mark."""
+    import re
+
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     from megatron_patch.config.checkpoint_layout import read_manifest, write_manifest
 
-    new = _reader(root)
+    source = _reader(root).path
+    os.makedirs(os.path.dirname(str(path)), exist_ok=True)
+    whole = str(path) + ".pt"
+    dcp_to_torch_save(source, whole)
+    state = torch.load(whole, weights_only=False)  # this test's own checkpoint: _extra_state entries are objects
+    model = {f"model.{k}": v for k, v in state["model"].items()} if isinstance(state.get("model"), dict) else \
+        {k: v for k, v in state.items() if k.startswith("model.")}
     old = {}
-    for name in new.keys():
-        t = new.get(name)
-        if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):  # [g0; g1; u0; u1] -> [g0; u0; g1; u1]
-            t = t.reshape(2, 2, t.shape[0] // 4, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-        old[f"model.{name}"] = t
+    for key, value in model.items():
+        half = re.match(r"^(.*\.linear_fc1\.(?:weight|bias))_([wv])$", key)
+        if half is None:
+            old[key] = value
+        elif half.group(2) == "w":  # gate [g0; g1], up [u0; u1] -> [g0; u0; g1; u1]
+            up = model[half.group(1) + "_v"]
+            old[half.group(1)] = torch.cat([torch.cat(pair) for pair in zip(value.chunk(2), up.chunk(2))])
     dcp.save(old, checkpoint_id=str(path), no_dist=True)
-    manifest = read_manifest(new.path)
+    manifest = read_manifest(source)
     del manifest["optimizer_sharding"]
     write_manifest(str(path), manifest)
     return path
