@@ -41,7 +41,8 @@ class Checkpointer(SaveSchedule):
     """Saves and loads the whole training state under --save / --load.
 
     `should_save(iteration)` says when (every --save-interval, and when training stops); `save(state)`
-    writes a checkpoint (collective) and prunes to --keep-last-n; `load()` resumes from --load. The
+    writes a checkpoint (collective) and prunes to --keep-last-n; `load()` resumes from --load
+    (`load_weights(path)`: the model weights of one checkpoint only, as conversion's verify loads them). The
     backend follows the run: megatron-core dist_checkpointing (ZeRO-0/1) or Megatron-FSDP's DTensors
     (ZeRO-2). Each checkpoint stores the run's configuration (model arguments included) in its
     checkpoint.json. `--save` is checked writable and `--load` checked to exist by Config.validate, before launch.
