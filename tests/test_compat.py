@@ -194,6 +194,9 @@ def test_megatron_fsdp_call_site_helpers():
 
     megatron_fsdp.use_distributed_params([Outer(), Outer()])
     assert calls == ["inner", "inner"]
+    Inner._replace_param_with_raw_if_needed = lambda self: calls.append("raw")
+    megatron_fsdp.use_raw_params([Outer()])
+    assert calls == ["inner", "inner", "raw"]
     copied = []
     wrapper = types.SimpleNamespace(_copy_main_params_to_model_params=lambda: copied.append(1))
     megatron_fsdp.copy_main_to_model_params(types.SimpleNamespace(chained_optimizers=[wrapper, wrapper]))

@@ -256,29 +256,75 @@ def test_reader_gives_the_tp1_models_state_dict(name, checkpoint, reference):
         assert reader.shape_of(key) == list(tensor.shape) and reader.dtype_of(key) == tensor.dtype
 
 
+def _older_zero2_checkpoint(root: str, path):
+    """A ZeRO-2 checkpoint as written before fc1 was stored split, at `path`, made from today's TP2 checkpoint under
+    `root` (read whole by torch's dcp_to_torch_save, not by the reader under test): its model entries (weights and
+    _extra_state; no optimizer state) with each fc1 whole and interleaved, [g0; u0; g1; u1], the manifest without
+    the fully-reshardable mark."""
+    import re
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    from megatron_patch.config.checkpoint_layout import read_manifest, write_manifest
+
+    source = _reader(root).path
+    os.makedirs(os.path.dirname(str(path)), exist_ok=True)
+    whole = str(path) + ".pt"
+    dcp_to_torch_save(source, whole)
+    state = torch.load(whole, weights_only=False)  # this test's own checkpoint: _extra_state entries are objects
+    model = {f"model.{k}": v for k, v in state["model"].items()} if isinstance(state.get("model"), dict) else \
+        {k: v for k, v in state.items() if k.startswith("model.")}
+    old = {}
+    for key, value in model.items():
+        half = re.match(r"^(.*\.linear_fc1\.(?:weight|bias))_([wv])$", key)
+        if half is None:
+            old[key] = value
+        elif half.group(2) == "w":  # gate [g0; g1], up [u0; u1] -> [g0; u0; g1; u1]
+            up = model[half.group(1) + "_v"]
+            old[half.group(1)] = torch.cat([torch.cat(pair) for pair in zip(value.chunk(2), up.chunk(2))])
+    dcp.save(old, checkpoint_id=str(path), no_dist=True)
+    manifest = read_manifest(source)
+    del manifest["optimizer_sharding"]
+    write_manifest(str(path), manifest)
+    return path
+
+
 def test_reader_puts_an_older_zero2_checkpoints_swiglu_fc1_in_order(checkpoint, reference, tmp_path):
     """A ZeRO-2 checkpoint written before fc1 was stored split held it whole, which at TP 2 interleaves the ranks'
     halves ([g0; u0; g1; u1]; seen in such a checkpoint). Made here from today's TP2 checkpoint (its model tensors
     rewritten that way, the manifest without the fully-reshardable mark): it still reads as the TP1 model."""
-    import torch.distributed.checkpoint as dcp
-
-    from megatron_patch.config.checkpoint_layout import read_manifest, write_manifest
-
-    new = _reader(checkpoint("llama_tp2pp2_zero2_bf16"))
-    old = {}
-    for name in new.keys():
-        t = new.get(name)
-        if name.endswith(("linear_fc1.weight", "linear_fc1.bias")):  # [g0; g1; u0; u1] -> [g0; u0; g1; u1]
-            t = t.reshape(2, 2, t.shape[0] // 4, *t.shape[1:]).transpose(0, 1).reshape(t.shape)
-        old[f"model.{name}"] = t
-    path = tmp_path / "iter_0000001"
-    dcp.save(old, checkpoint_id=str(path), no_dist=True)
-    manifest = read_manifest(new.path)
-    del manifest["optimizer_sharding"]
-    write_manifest(str(path), manifest)
+    path = _older_zero2_checkpoint(checkpoint("llama_tp2pp2_zero2_bf16"), tmp_path / "iter_0000001")
     reader = _reader(str(path))
     for key, tensor in reference(tuple(RUNS["llama_tp2pp2_zero2_bf16"][1])).items():
         assert torch.equal(reader.get(key), tensor.float()), key
+
+
+def test_zero2_export_verifies_through_the_engines_own_loading(checkpoint, tmp_path):
+    """mcore2hf --verify of the TP2 PP2 ZeRO-2 SwiGLU checkpoint (a bf16 run: fp32 main weights, exported in bf16):
+    verify builds its TP1 model through the engine's resume path (Megatron-FSDP wrapped, fsdp_dtensor), not through
+    the reader the export read, so a reader bug (fc1's gate/up halves: plant reader-fc1-halves-caught-by-verify)
+    makes it fail instead of being repeated by it. Budget ~15 s (one verify process)."""
+    from conversion_utils import explain, run_convert
+
+    out = str(tmp_path / "hf")
+    proc = run_convert("--direction", "mcore2hf", "--load-dir", checkpoint("llama_tp2pp2_zero2_bf16"), "--save-dir", out)
+    assert proc.returncode == 0 and "verify passed" in proc.stdout, explain(proc)
+    assert "verify: the checkpoint's float32 weights rounded to bfloat16" in proc.stdout, explain(proc)
+    assert "conversion's reader" not in proc.stdout and "own layout" not in proc.stdout, explain(proc)
+
+
+@pytest.mark.slow  # CI time: four verify processes
+def test_older_zero2_export_verifies_at_its_own_layout(checkpoint, tmp_path):
+    """An older ZeRO-2 checkpoint (fc1 interleaved over TP 2; _older_zero2_checkpoint) loads into the engine at its
+    own TP/PP only: mcore2hf says so and verifies there (TP2 PP2, four processes), through the engine's loading."""
+    from conversion_utils import explain, run_convert
+
+    ck = _older_zero2_checkpoint(checkpoint("llama_tp2pp2_zero2_bf16"), tmp_path / "ck" / "iter_0000001")
+    proc = run_convert("--direction", "mcore2hf", "--load-dir", str(ck), "--save-dir", str(tmp_path / "hf"))
+    assert proc.returncode == 0 and "verify passed" in proc.stdout, explain(proc)
+    assert "verify at the checkpoint's own layout, TP 2 PP 2 (4 processes)" in proc.stdout, explain(proc)
+    assert "conversion's reader" not in proc.stdout, explain(proc)
 
 
 @pytest.mark.parametrize("name", ["tp1", "llama_tp2dp2_zero1_bf16", "llama_tp2pp2_zero2_bf16"])

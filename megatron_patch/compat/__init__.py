@@ -90,7 +90,8 @@ Called at their call sites (not applied globally):
   adam_state.py    fill_empty_adam_state, restore_adam_step, steps_on_param_device, steps_kept_out (checkpointing)
   checkpoint_writer.py write_results_in_process (each torch_dist save: training/checkpoint/torch_dist.py)
                    staged_async_write (--async-save: training/checkpoint/async_save.py)
-  megatron_fsdp.py use_distributed_params, copy_main_to_model_params, prepare_uneven_dtensor_state (ZeRO-2 checkpoints)
+  megatron_fsdp.py use_distributed_params, copy_main_to_model_params, prepare_uneven_dtensor_state (ZeRO-2 checkpoints),
+                   use_raw_params (conversion's verify of a ZeRO-2 checkpoint: conversion/worker.py)
   mla.py           mla_query_projection_without_norm, mla_rotary_key_gradient_over_tp (DeepSeek's MLA on the local
                    spec, TP > 1: models/gpt.py)
   rope.py          llama3_rope_scaling (Llama 3.x RoPE scaling with the model's own frequency bounds: models/gpt.py)

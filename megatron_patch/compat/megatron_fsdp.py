@@ -8,7 +8,8 @@ across data-parallel ranks; in megatron-core 0.19.2 it breaks as soon as PP > 1.
 change behaviour only on the paths below (dense models, EP = 1).
 
 `use_distributed_params`, `copy_main_to_model_params` and `prepare_uneven_dtensor_state` are called by
-the checkpointing code for ZeRO-2 checkpoints.
+the checkpointing code for ZeRO-2 checkpoints; `use_raw_params` by conversion's verify, which reads a loaded
+ZeRO-2 model's compute weights.
 """
 from __future__ import annotations
 
@@ -119,6 +120,23 @@ def use_distributed_params(model_chunks) -> None:
         while m is not None:
             if hasattr(m, "_replace_param_with_distributed_if_needed"):
                 m._replace_param_with_distributed_if_needed()
+            m = getattr(m, "module", None)
+
+
+@register(upstream="megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:"
+                   "MegatronFSDP._replace_param_with_raw_if_needed",
+          fixes="outside a forward pass Megatron-FSDP's modules hold the sharded DTensor parameters; the raw (compute) "
+                "parameters a forward pass uses, whole over DP, are put back only by this private method (or by a "
+                "forward pass itself)",
+          fingerprint="0e96149f035bfb28")
+def use_raw_params(model_chunks) -> None:
+    """Put the raw compute parameters (this rank's TP part, whole over DP) back on every (wrapped) module of
+    `model_chunks`, as a forward pass does: conversion's verify copies a loaded ZeRO-2 model's weights from them."""
+    for chunk in model_chunks:
+        m = chunk
+        while m is not None:
+            if hasattr(m, "_replace_param_with_raw_if_needed"):
+                m._replace_param_with_raw_if_needed()
             m = getattr(m, "module", None)
 
 

@@ -45,6 +45,19 @@ def _expert_layout(lay: Dict[str, int]):
     return lay.get("ep", 1), lay.get("etp", lay["tp"])
 
 
+def bound_to_saved_layout(manifest: Dict) -> bool:
+    """True for a checkpoint that loads only at its own TP/PP/VPP and expert layout (at any DP size): a ZeRO-2
+    (fsdp_dtensor) checkpoint written before they became fully reshardable, whose SwiGLU fc1 interleaves the TP
+    ranks' halves (training/checkpoint/fsdp_dtensor.py). Every other checkpoint's weights load at any layout."""
+    return manifest.get("format") == "fsdp_dtensor" and (
+        manifest.get("optimizer_sharding") != "fully_reshardable")
+
+
+def at_saved_layout(manifest: Dict, mine: Dict[str, int]) -> bool:
+    """True when the layout `mine` (layout(cfg)) is the checkpoint's but for the DP size."""
+    return {**manifest["layout"], "dp": 0} == {**mine, "dp": 0}
+
+
 @dataclass(frozen=True)
 class Restore:
     """What loading a checkpoint restores into this run."""

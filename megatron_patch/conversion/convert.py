@@ -16,7 +16,9 @@ checkpoint's origin (trained in the engine, converted, or trained after a conver
 leaves the engine, so it is proved unless `--no-verify` says otherwise (e.g. a model too large to hold twice
 in fp32). hf2mcore verifies on request (`--verify`). The rule: what leaves the engine is proved by default;
 an import has every tensor checked for use and shape as it loads, and the model trained from it is proved
-when it is exported, so by default it does not pay for a second model in fp32.
+when it is exported, so by default it does not pay for a second model in fp32. Verify's engine model is loaded
+by the engine's own checkpoint loading (the resume path), never by the reader the export read (mcore_reader.py):
+a reader bug makes the two models differ instead of being repeated on both sides (worker.py).
 
 Both directions stage (publish()): the workers write into a hidden `.<name>.partial-*` directory next to
 --save-dir, --verify reads it there, and it is renamed to --save-dir only once complete and verified. A
@@ -37,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import TYPE_CHECKING, Callable, List, Optional
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 from megatron_patch.ports import free_port
 
@@ -302,10 +304,31 @@ def mcore2hf(a: argparse.Namespace) -> int:
         name = _write_export(a, reader, cfg, family, info, rules, staging)
         if not a.verify:
             return 0
-        return run_workers(1, ["verify", "--load-dir", a.load_dir, "--hf-dir", staging, "--dtype", DTYPES[name]]
-                           + (["--debug"] if a.debug else []))
+        nproc, layout = verify_layout(reader.manifest)
+        return run_workers(nproc, ["verify", "--load-dir", a.load_dir, "--hf-dir", staging, "--dtype", DTYPES[name],
+                                   *layout] + (["--debug"] if a.debug else []))
 
     return publish(a.save_dir, "mcore2hf", export, a.verify)
+
+
+def verify_layout(manifest: dict) -> Tuple[int, List[str]]:
+    """(processes, the worker's layout flags) mcore2hf verifies an export at: one process (TP1 PP1), which the engine
+    loads any checkpoint into, except a ZeRO-2 checkpoint written before they became fully reshardable, which it
+    loads at its own TP/PP/EP only: verify runs there (said in one line). With VPP the worker cannot build that
+    layout and reads the weights with the conversion's reader instead (it says so)."""
+    from megatron_patch.config.resume import bound_to_saved_layout
+
+    saved = manifest.get("layout", {})
+    tp, pp, ep = saved.get("tp", 1), saved.get("pp", 1), saved.get("ep", 1)
+    etp = saved.get("etp", tp)
+    if not bound_to_saved_layout(manifest) or saved.get("vpp", 1) > 1 or (tp, pp, ep, etp) == (1, 1, 1, 1):
+        return 1, []
+    nproc = pp * math.lcm(tp, ep * etp)
+    experts = ["--ep", str(ep), "--etp", str(etp)] if "ep" in saved else []  # an MoE model's expert layout
+    print(f"mcore2hf: verify at the checkpoint's own layout, TP {tp} PP {pp}" + (f" EP {ep} ETP {etp}" if experts
+          else "") + f" ({nproc} processes): a ZeRO-2 checkpoint written before ZeRO-2 checkpoints became fully "
+          f"reshardable loads into the engine at that layout only", flush=True)
+    return nproc, ["--tp", str(tp), "--pp", str(pp), *experts]
 
 
 def _export_peft(a: argparse.Namespace, reader, cfg, info: dict, rules, out: str) -> int:
@@ -326,7 +349,8 @@ def _export_peft(a: argparse.Namespace, reader, cfg, info: dict, rules, out: str
           f"{a.save_dir}; base model {base}", flush=True)
     if not a.verify:
         return 0
-    return run_workers(1, ["verify", "--load-dir", a.load_dir, "--hf-dir", out, "--dtype", DTYPES[name]]
+    nproc, layout = verify_layout(reader.manifest)
+    return run_workers(nproc, ["verify", "--load-dir", a.load_dir, "--hf-dir", out, "--dtype", DTYPES[name], *layout]
                        + (["--debug"] if a.debug else []))
 
 

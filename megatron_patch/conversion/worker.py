@@ -3,8 +3,9 @@
 
   hf2mcore     build the model in the target layout, load the Hugging Face weights into it (the same
                shim as --load-hf), write an engine checkpoint with the weights only
-  verify       build the model (fp32, --tp/--pp layout) from an engine checkpoint's tensors and compare
-               its logits (BERT: hidden states and heads) with a Hugging Face directory's
+  verify       build the model (fp32, --tp/--pp layout), load an engine checkpoint into it through the engine's
+               own checkpoint loading (not the export's reader) and compare its logits (BERT: hidden states and
+               heads) with a Hugging Face directory's
 
 `python -m megatron_patch.conversion.worker {hf2mcore|verify} ... --status-dir DIR` (not meant to be run by
 hand). The engine configuration is built here as a Config (`engine_config`): the architecture from the family's
@@ -18,7 +19,9 @@ import argparse
 import json
 import os
 import sys
-from typing import Dict, Optional
+from typing import Dict, List, Optional
+
+import torch
 
 from megatron_patch.conversion.result import BAD_INPUT, FAILED_VERIFY, OK, WorkerResult, write_result
 
@@ -63,7 +66,6 @@ def verify_length(cfg, seq: int) -> int:
 
 def _hf_model(hf_dir: str):
     """The Hugging Face model of `hf_dir` in fp32; a PEFT adapter directory on its base model (peft)."""
-    import torch
     from transformers import AutoModelForCausalLM
 
     adapter = os.path.join(hf_dir, "adapter_config.json")
@@ -108,41 +110,116 @@ def hf2mcore(args) -> int:
 
 
 def verify_checkpoint(args) -> int:
-    """Build the model of an engine checkpoint in fp32, in the --tp/--pp layout, from its global tensors
-    (any saved layout, any ZeRO format), and compare it with the Hugging Face directory."""
+    """Build the model of an engine checkpoint in fp32, in the --tp/--pp layout, load its weights through the
+    engine's own checkpoint loading (the resume path: torch_dist, or Megatron-FSDP's fsdp_dtensor for ZeRO-2),
+    and compare it with the Hugging Face directory. The loading is independent of the reader that exports
+    (mcore_reader.py), so a reader bug fails verify instead of being repeated by it."""
+    from megatron_patch.config.checkpoint_layout import read_manifest
     from megatron_patch.config.model_source import ARCHITECTURE, LORA
-    from megatron_patch.conversion.load_hf import load_global_weights
-    from megatron_patch.conversion.mcore_reader import MegatronCheckpointReader
+    from megatron_patch.config.resume import at_saved_layout, bound_to_saved_layout, layout
+    from megatron_patch.conversion.mcore_reader import resolve_checkpoint  # the path only: no tensor is read there
     from megatron_patch.conversion.verify import verify
-    from megatron_patch.models.build import build_model
     from megatron_patch.parallel import print_rank_0
 
-    reader = MegatronCheckpointReader(args.load_dir)
-    info = reader.manifest.get("model", {})
-    arch = {key: reader.config[key] for key in ARCHITECTURE if key in reader.config}  # stored with the checkpoint
-    if reader.config.get("lora_rank"):  # the engine model with its adapters, against the merged export or PEFT
-        arch.update({key: reader.config[key] for key in LORA if key in reader.config})
+    path = resolve_checkpoint(args.load_dir)  # the iter_XXXXXXX directory the export read
+    manifest = read_manifest(path)
+    stored, info = manifest.get("config", {}), manifest.get("model", {})
+    arch = {key: stored[key] for key in ARCHITECTURE if key in stored}  # stored with the checkpoint
+    if stored.get("lora_rank"):  # the engine model with its adapters, against the merged export or PEFT
+        arch.update({key: stored[key] for key in LORA if key in stored})
     arch.update(model_vocab_size=info["vocab_size"], padded_vocab_size=info["padded_vocab_size"])
-    cfg = engine_config(args, arch)
+    zero2 = manifest.get("format") == "fsdp_dtensor"  # Megatron-FSDP's format: loads only into its wrapped model
+    cfg = engine_config(args, arch, zero_2_memory_optimization=zero2)
     cfg = cfg.replace(seq_length=verify_length(cfg, args.seq))
     cfg = initialize_model_run(cfg)
-    model = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
-    get = reader.get
+    if bound_to_saved_layout(manifest) and not at_saved_layout(manifest, layout(cfg)):
+        # the engine loads it at its own layout only (mcore2hf starts verify there: convert.verify_layout), except
+        # with VPP, which the worker does not build
+        print_rank_0(f"verify used the conversion's reader for {path}: a ZeRO-2 checkpoint of layout "
+                     f"{manifest['layout']}, written before ZeRO-2 checkpoints became fully reshardable, loads into the "
+                     f"engine at that layout only (verify runs at {layout(cfg)})")
+        model = _reader_model(cfg, path)
+    else:
+        model = engine_model(cfg, path)
     if args.dtype:  # the export's dtype: compare with the weights it holds (a ZeRO-2 bf16 run saves fp32 main weights)
-        import torch
-
-        saved = {str(reader.dtype_of(n)).replace("torch.", "") for n in reader.keys()}
-        if saved != {args.dtype}:
-            print_rank_0(f"verify: the checkpoint's {'/'.join(sorted(saved))} weights rounded to {args.dtype}, the "
-                         f"dtype of the export")
-        get = lambda name: reader.get(name).to(getattr(torch, args.dtype))  # noqa: E731
-    load_global_weights(model, cfg, get, reader.keys(), args.load_dir)
+        saved = saved_weights_dtype(manifest)
+        if saved != args.dtype:
+            print_rank_0(f"verify: the checkpoint's {saved} weights rounded to {args.dtype}, the dtype of the export")
+        round_weights(model, args.dtype)
     load_hf, check = _hf_model, verify
     if cfg.model_family == "bert":  # an encoder: hidden states and the heads both sides have (verify_bert.py)
         from megatron_patch.conversion.verify_bert import hf_bert_model as load_hf, verify_bert as check
     hf = load_hf(args.hf_dir) if _is_reporting_rank() else None
     ok = check(model, hf, cfg.model_vocab_size, cfg.seq_length, debug=args.debug, log=print_rank_0)
     return OK if ok else FAILED_VERIFY
+
+
+def engine_model(cfg, path: str) -> List:
+    """This rank's bare fp32 model chunks with the weights of checkpoint `path` (an iter_XXXXXXX directory), loaded
+    by the engine as resuming loads them (Checkpointer.load_weights: same checks, same backend), weights only.
+    A ZeRO-2 checkpoint loads into the model as training wraps it (Megatron-FSDP, with its optimizer, whose state
+    is not read); its compute weights are then copied into bare chunks, which verify runs like any other."""
+    from megatron_patch.models.build import build_model, build_model_chunks, wrap_model
+    from megatron_patch.training.checkpoint import Checkpointer
+
+    bare = build_model(cfg, cfg.model_vocab_size, for_training=False)  # no gradient buffers
+    if not cfg.zero_2_memory_optimization:
+        Checkpointer(cfg, bare, None, None).load_weights(path)
+        return bare
+    from megatron_patch.compat.megatron_fsdp import use_raw_params
+    from megatron_patch.training.optimizer import build_optimizer
+
+    wrapped = wrap_model(cfg, build_model_chunks(cfg, cfg.model_vocab_size))
+    optimizer, _ = build_optimizer(cfg, wrapped)  # fsdp_dtensor.load describes the state through it
+    Checkpointer(cfg, wrapped, optimizer, None).load_weights(path)
+    use_raw_params(wrapped)  # the weights a forward pass computes with, this rank's TP part
+    _copy_weights(wrapped, bare)
+    return bare
+
+
+@torch.no_grad()
+def _copy_weights(sources: List, targets: List) -> None:
+    """Every parameter of the (wrapped) chunks `sources` into the same-named one of the bare chunks `targets`."""
+    from megatron_patch.training.checkpoint.torch_dist import unwrap
+
+    for source, target in zip(sources, targets):
+        given = dict(unwrap(source).named_parameters())
+        for name, p in target.named_parameters():
+            p.copy_(given[name])
+
+
+def _reader_model(cfg, path: str) -> List:
+    """This rank's bare fp32 model chunks filled from the conversion's reader (the export's own source): only for a
+    checkpoint the engine cannot load at this layout."""
+    from megatron_patch.conversion.load_hf import load_global_weights
+    from megatron_patch.conversion.mcore_reader import MegatronCheckpointReader
+    from megatron_patch.models.build import build_model
+
+    reader = MegatronCheckpointReader(path)
+    model = build_model(cfg, cfg.model_vocab_size, for_training=False)
+    load_global_weights(model, cfg, lambda name: reader.get(name).float(), reader.keys(), path)
+    return model
+
+
+def saved_weights_dtype(manifest: Dict) -> str:
+    """The dtype the checkpoint of `manifest` holds its weights in: Megatron-FSDP (ZeRO-2) saves its fp32 main
+    weights, dist_checkpointing (ZeRO-0/1, conversions) the model's own, in the run's precision."""
+    from megatron_patch.config import Config
+
+    if manifest.get("format") == "fsdp_dtensor":
+        return "float32"
+    cfg = Config.from_flat(manifest.get("config", {}))  # the run's precision, as any version stored it
+    return "bfloat16" if cfg.bf16 else "float16" if cfg.fp16 else "float32"
+
+
+@torch.no_grad()
+def round_weights(chunks: List, dtype: str) -> None:
+    """Every parameter of `chunks` rounded to `dtype` (a torch dtype's name) and kept in its own dtype: the values
+    an export in `dtype` holds."""
+    to = getattr(torch, dtype)
+    for chunk in chunks:
+        for p in chunk.parameters():
+            p.copy_(p.to(to))
 
 
 def _report(status_dir: Optional[str], status: int, message: str = "") -> None:

@@ -1,5 +1,6 @@
 """Plants for checkpoint conversion (issue 27): each breaks one property; the listed default-lane tests must fail."""
 EXPORT = "tests/test_conversion_export.py"
+ZERO2_EXPORT = "tests/test_conversion_io.py::test_zero2_export_verifies_through_the_engines_own_loading"
 TRAINED = f"{EXPORT}::test_export_of_an_engine_trained_model_is_that_model[qwen2]"
 WRONG = f"{EXPORT}::test_a_wrong_export_fails_verify_and_leaves_nothing"
 
@@ -80,4 +81,11 @@ PLANTS = [
          replacement="    except OSError as e:",
          property="a truncated or corrupt safetensors file is one line naming it (exit 2), not a traceback",
          tests=[f"{EXPORT}::test_broken_safetensors_file_is_named_in_one_line"]),
+    dict(name="reader-fc1-halves-caught-by-verify", file="megatron_patch/conversion/mcore_reader.py",
+         original='                              for h in ("w", "v")])',
+         replacement='                              for h in ("v", "w")])',
+         property="mcore2hf --verify loads the engine model through the engine's own checkpoint loading, not the "
+                  "reader that exported: a reader bug (here: a ZeRO-2 checkpoint's SwiGLU fc1 read as [up; gate]) "
+                  "fails verify instead of being repeated by it",
+         tests=[ZERO2_EXPORT]),
 ]

@@ -11,13 +11,13 @@ OLD_READ = "tests/test_conversion_io.py::test_reader_puts_an_older_zero2_checkpo
 READ = "tests/test_conversion_io.py::test_reader_gives_the_tp1_models_state_dict[llama_tp2pp2_zero2_bf16]"
 
 PLANTS = [
-    dict(name="zero2-only-same-layout", file="megatron_patch/training/checkpoint/checkpointer.py",
-         original='                manifest.get("optimizer_sharding") != fsdp_dtensor.FULLY_RESHARDABLE:',
-         replacement="                True:",
+    dict(name="zero2-only-same-layout", file="megatron_patch/config/resume.py",
+         original='        manifest.get("optimizer_sharding") != "fully_reshardable")',
+         replacement="        True)",
          property="a ZeRO-2 checkpoint resumes at another TP/PP size (refused before this was built)", tests=[ZERO2]),
-    dict(name="zero2-older-any-tp", file="megatron_patch/training/checkpoint/checkpointer.py",
-         original='                manifest.get("optimizer_sharding") != fsdp_dtensor.FULLY_RESHARDABLE:',
-         replacement="                False:",
+    dict(name="zero2-older-any-tp", file="megatron_patch/config/resume.py",
+         original='        manifest.get("optimizer_sharding") != "fully_reshardable")',
+         replacement="        False)",
          property="an older ZeRO-2 checkpoint (fc1 interleaved) at another TP is refused in words", tests=[ZERO2]),
     dict(name="zero2-fully-reshardable-not-recorded", file="megatron_patch/training/checkpoint/checkpointer.py",
          original="2: fsdp_dtensor.FULLY_RESHARDABLE}.get(cfg.zero_stage)",

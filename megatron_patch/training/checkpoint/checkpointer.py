@@ -14,7 +14,7 @@ from megatron_patch.compat.optimizer import set_param_group_lr_range
 from megatron_patch.config import Config
 from megatron_patch.config import checkpoint_layout as directory
 from megatron_patch.config.checkpoint_layout import CheckpointError, checkpoint_dir
-from megatron_patch.config.resume import check_schedule, layout, restores
+from megatron_patch.config.resume import at_saved_layout, bound_to_saved_layout, check_schedule, layout, restores
 
 from . import fsdp_dtensor, torch_dist
 from .atomic import begin_checkpoint, publish_checkpoint, write_checkpoint
@@ -41,7 +41,8 @@ class Checkpointer(SaveSchedule):
     """Saves and loads the whole training state under --save / --load.
 
     `should_save(iteration)` says when (every --save-interval, and when training stops); `save(state)`
-    writes a checkpoint (collective) and prunes to --keep-last-n; `load()` resumes from --load. The
+    writes a checkpoint (collective) and prunes to --keep-last-n; `load()` resumes from --load
+    (`load_weights(path)`: the model weights of one checkpoint only, as conversion's verify loads them). The
     backend follows the run: megatron-core dist_checkpointing (ZeRO-0/1) or Megatron-FSDP's DTensors
     (ZeRO-2). Each checkpoint stores the run's configuration (model arguments included) in its
     checkpoint.json. `--save` is checked writable and `--load` checked to exist by Config.validate, before launch.
@@ -140,17 +141,7 @@ class Checkpointer(SaveSchedule):
         path = checkpoint_dir(root, iteration)
         manifest = directory.read_manifest(path)
         saved, mine = manifest["layout"], layout(self.cfg)
-        if manifest["format"] != self.format:
-            wanted = "--zero-2-memory-optimization" if manifest["format"] == fsdp_dtensor.FORMAT else \
-                "ZeRO-0 or --zero-1-memory-optimization"
-            raise CheckpointError(f"{path} was written by a {'ZeRO-2' if saved['zero'] == 2 else 'ZeRO-0/1'} run "
-                                  f"({manifest['format']} format); resume it with {wanted}")
-        if self.format == fsdp_dtensor.FORMAT and {**saved, "dp": 0} != {**mine, "dp": 0} and \
-                manifest.get("optimizer_sharding") != fsdp_dtensor.FULLY_RESHARDABLE:
-            # an older ZeRO-2 checkpoint: its SwiGLU fc1 interleaves the TP ranks' halves (fsdp_dtensor.py)
-            raise CheckpointError(f"{path} is a ZeRO-2 checkpoint of layout {saved}, written before ZeRO-2 checkpoints "
-                                  f"became fully reshardable; it loads into the same TP/PP/EP at any DP size (this "
-                                  f"run: {mine}). Resume with TP {saved['tp']}, PP {saved['pp']} and ZeRO-2.")
+        self._check_loadable(path, manifest)
         restore = restores(manifest, self.cfg)
         model_only, same_model_layout = restore.model_only, restore.same_model_layout
         optimizer_fits, load_optimizer = restore.optimizer_fits, restore.optimizer
@@ -160,17 +151,8 @@ class Checkpointer(SaveSchedule):
         stored = manifest.get("scheduler") or {}
         if load_optimizer:  # the saved param groups are found by their lr range: give the groups the checkpoint's
             set_param_group_lr_range(self.optimizer, stored["max_lr"], stored["min_lr"])
-        try:
-            safe_loading.check_metadata(path)  # DCP itself would swallow the refusal into "metadata is None"
-            self.backend.load(path, self.model, self.optimizer, load_optimizer=load_optimizer,
-                              load_rng=same_model_layout and not model_only, without_adapters=restore.starts_lora,
-                              **self._sharding(manifest.get("optimizer_sharding", torch_dist.DP_RESHARDABLE)))
-        except (pickle.UnpicklingError, CheckpointException) as e:
-            refused = directory.refused_unpickling(e)  # raised by the safe-loading patches (megatron_patch.compat.safe_loading)
-            if refused is None:
-                raise
-            raise CheckpointError(f"{path}: {refused} Loading a checkpoint never runs code that it contains; this one "
-                                  f"was not written by megatron_patch or has been tampered with.") from None
+        self._read(path, manifest, load_optimizer=load_optimizer, load_rng=same_model_layout and not model_only,
+                   without_adapters=restore.starts_lora)
         notes = []
         if load_optimizer:
             self.scheduler.load_state_dict(stored)  # megatron-core: the step count, and the settings that win
@@ -201,3 +183,42 @@ class Checkpointer(SaveSchedule):
         self.last_saved = iteration if root == self.cfg.save else None
         self.model_info = {**manifest.get("model", {}), **self.model_info}  # keeps e.g. the Hugging Face origin
         return TrainState(manifest["iteration"], manifest["consumed_samples"], manifest.get("consumed_valid_samples", 0))
+
+    def load_weights(self, path: str) -> Dict:
+        """Only the model weights of checkpoint `path` (an iter_XXXXXXX directory) into this run's model, resharded
+        to its layout as resuming would (the same checks, format and backend): no optimizer state, RNG streams or
+        learning-rate schedule. Conversion's verify builds its engine model this way, independent of the reader that
+        exports. Returns the checkpoint's manifest. Collective."""
+        manifest = directory.read_manifest(path)
+        self._check_loadable(path, manifest)
+        self._read(path, manifest, load_optimizer=False, load_rng=False,
+                   without_adapters=restores(manifest, self.cfg).starts_lora)
+        return manifest
+
+    def _check_loadable(self, path: str, manifest: Dict) -> None:
+        """Refuse, in words, a checkpoint this run's backend cannot load into its layout."""
+        saved, mine = manifest["layout"], layout(self.cfg)
+        if manifest["format"] != self.format:
+            wanted = "--zero-2-memory-optimization" if manifest["format"] == fsdp_dtensor.FORMAT else \
+                "ZeRO-0 or --zero-1-memory-optimization"
+            raise CheckpointError(f"{path} was written by a {'ZeRO-2' if saved['zero'] == 2 else 'ZeRO-0/1'} run "
+                                  f"({manifest['format']} format); resume it with {wanted}")
+        if bound_to_saved_layout(manifest) and not at_saved_layout(manifest, mine):
+            # an older ZeRO-2 checkpoint: its SwiGLU fc1 interleaves the TP ranks' halves (fsdp_dtensor.py)
+            raise CheckpointError(f"{path} is a ZeRO-2 checkpoint of layout {saved}, written before ZeRO-2 checkpoints "
+                                  f"became fully reshardable; it loads into the same TP/PP/EP at any DP size (this "
+                                  f"run: {mine}). Resume with TP {saved['tp']}, PP {saved['pp']} and ZeRO-2.")
+
+    def _read(self, path: str, manifest: Dict, load_optimizer: bool, load_rng: bool, without_adapters: bool) -> None:
+        """The backend's load of `path`, its pickled objects through the safe-loading allow-lists."""
+        try:
+            safe_loading.check_metadata(path)  # DCP itself would swallow the refusal into "metadata is None"
+            self.backend.load(path, self.model, self.optimizer, load_optimizer=load_optimizer, load_rng=load_rng,
+                              without_adapters=without_adapters,
+                              **self._sharding(manifest.get("optimizer_sharding", torch_dist.DP_RESHARDABLE)))
+        except (pickle.UnpicklingError, CheckpointException) as e:
+            refused = directory.refused_unpickling(e)  # raised by the safe-loading patches (megatron_patch.compat.safe_loading)
+            if refused is None:
+                raise
+            raise CheckpointError(f"{path}: {refused} Loading a checkpoint never runs code that it contains; this one "
+                                  f"was not written by megatron_patch or has been tampered with.") from None
