@@ -185,3 +185,22 @@ def test_expert_data_parallel_size():
                            "--sequence-parallel", "--expert-model-parallel-size", "2", "--expert-tensor-parallel-size", "1"])
     v = c.validate(8)  # a resolved copy: the Config is frozen
     assert v.expert_data_parallel_size == 4 and v.data_parallel_size == 4
+
+
+def test_metric_tensors_exist_before_the_first_step():
+    """MoEMetrics creates the routers' tracked losses and its token counts before any forward, with addresses marked
+    static: under CUDA graphs (--compile-mode reduce-overhead) a tensor first created inside a graph is its output,
+    and the next step's in-place add into it fails."""
+    from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+    from megatron_patch.training.moe_metrics import MoEMetrics
+
+    cfg = parse_args(BASE + ["--num-experts", "4", "--moe-aux-loss-coeff", "0.01", "--moe-z-loss-coeff", "0.001"])
+    tracker = get_moe_metrics_tracker()
+    tracker._metrics.clear()
+    metrics = MoEMetrics(cfg, [])
+    for name in ("load_balancing_loss", "z_loss"):
+        values = tracker._metrics[name].values
+        assert values.shape == (cfg.num_layers,) and getattr(values, "_dynamo_static_input_type", None)
+    assert getattr(metrics.counts, "_dynamo_static_input_type", None)
+    tracker._metrics.clear()

@@ -76,4 +76,15 @@ PLANTS = [
          replacement="            0, experts.flip(0)[: experts.numel() // 2].repeat(2), torch.ones_like(experts))",
          property="the tokens per expert are counted from the routing",
          tests=[f"{MOE}::test_layout_matches_single_process[grouped_wgrad_fusion]"]),
+    dict(name="moe-tracker-created-inside-the-graph", file="megatron_patch/training/moe_metrics.py",
+         original="        tracker_tensors_before_capture(get_moe_metrics_tracker(), _tracked_names(cfg), cfg.num_layers,\n"
+                  "                                       current_device(), extra=[self.counts])\n",
+         replacement="",
+         property="the MoE metric tensors exist, marked static, before the first (CUDA-graph) step",
+         tests=[f"{MOE}::test_metric_tensors_exist_before_the_first_step"]),
+    dict(name="moe-tracker-not-static", file="megatron_patch/compat/moe.py",
+         original="        torch._dynamo.mark_static_address(t)\n", replacement="        pass\n",
+         property="the MoE metric tensors' addresses are marked static for CUDA graphs",
+         tests=["tests/test_compat.py::test_moe_tracker_tensors_exist_before_capture",
+                f"{MOE}::test_metric_tensors_exist_before_the_first_step"]),
 ]
