@@ -107,6 +107,16 @@ def skip_dtensor_world_check() -> None:
     replace(checkpoint_helpers, "make_fsdp_dtensor", make_fsdp_dtensor)  # imported by name there
 
 
+def _call_on_wrappers(model_chunks, method: str) -> None:
+    """`method()` of every module in each chunk's chain of wrappers (`.module`) that has it."""
+    for chunk in model_chunks:
+        m = chunk
+        while m is not None:
+            if hasattr(m, method):
+                getattr(m, method)()
+            m = getattr(m, "module", None)
+
+
 @register(upstream="megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:"
                    "MegatronFSDP._replace_param_with_distributed_if_needed",
           fixes="a forward pass without backward (evaluation) leaves Megatron-FSDP's modules holding their raw "
@@ -115,12 +125,7 @@ def skip_dtensor_world_check() -> None:
           fingerprint="8bcbd9a02bda769b")
 def use_distributed_params(model_chunks) -> None:
     """Put the sharded DTensor parameters back on every (wrapped) module of `model_chunks`."""
-    for chunk in model_chunks:
-        m = chunk
-        while m is not None:
-            if hasattr(m, "_replace_param_with_distributed_if_needed"):
-                m._replace_param_with_distributed_if_needed()
-            m = getattr(m, "module", None)
+    _call_on_wrappers(model_chunks, "_replace_param_with_distributed_if_needed")
 
 
 @register(upstream="megatron/core/distributed/fsdp/src/megatron_fsdp/megatron_fsdp.py:"
@@ -132,12 +137,7 @@ def use_distributed_params(model_chunks) -> None:
 def use_raw_params(model_chunks) -> None:
     """Put the raw compute parameters (this rank's TP part, whole over DP) back on every (wrapped) module of
     `model_chunks`, as a forward pass does: conversion's verify copies a loaded ZeRO-2 model's weights from them."""
-    for chunk in model_chunks:
-        m = chunk
-        while m is not None:
-            if hasattr(m, "_replace_param_with_raw_if_needed"):
-                m._replace_param_with_raw_if_needed()
-            m = getattr(m, "module", None)
+    _call_on_wrappers(model_chunks, "_replace_param_with_raw_if_needed")
 
 
 @register(upstream="megatron/core/optimizer/distrib_optimizer.py:DistributedOptimizer._copy_main_params_to_model_params",
