@@ -97,18 +97,15 @@ def card_key() -> str:
 def measure_layers(out, steps, warmup):
     """The table: each shape's layer at its micro batch and at twice it, so that layer_speed.fit_row separates the
     rate from the fixed cost per micro batch."""
-    from megatron_patch.config import parse_args
     from megatron_patch.planning.layer_speed import fit_row
-    from megatron_patch.planning.timing import layer_flops_per_token
 
     table = []
     for h, ffn, heads, groups, seq, mbs in LAYER_SHAPES:
         pair = (1, 2) if h >= 8192 else (1, 3)  # a 70B-wide layer: 2 of them with Adam state fill most of 80 GB
         per_layer, tokens = [], []
         for micro in (mbs, 2 * mbs):
-            flags = [*LLAMA, "--hidden-size", str(h), "--ffn-hidden-size", str(ffn), "--num-attention-heads",
-                     str(heads), "--num-query-groups", str(groups), "--seq-length", str(seq), "--micro-batch-size",
-                     str(micro), "--global-batch-size", str(micro * 2), "--train-iters", str(steps)]
+            flags = [*_shape_flags(h, ffn, heads, groups, seq), "--micro-batch-size", str(micro),
+                     "--global-batch-size", str(micro * 2), "--train-iters", str(steps)]
             times = {}
             for layers in pair:
                 lines = _run([*flags, "--num-layers", str(layers)],
@@ -117,9 +114,7 @@ def measure_layers(out, steps, warmup):
             # two micro batches per step: one layer's forward + backward of one micro batch
             per_layer.append((times[pair[1]] - times[1]) / (pair[1] - 1) / 2)
             tokens.append(micro * seq)
-        cfg = parse_args([*LLAMA, "--hidden-size", str(h), "--ffn-hidden-size", str(ffn), "--num-attention-heads",
-                          str(heads), "--num-query-groups", str(groups), "--seq-length", str(seq), "--num-layers", "1"])
-        row = fit_row(layer_flops_per_token(cfg, moe=False), tuple(tokens), tuple(per_layer))
+        row = fit_row(_layer_flops(h, ffn, heads, groups, seq), tuple(tokens), tuple(per_layer))
         table.append(row)
         print(f"layer h{h} ffn{ffn} seq{seq}: {1000 * per_layer[0]:.2f} ms per micro batch of {tokens[0]} tokens, "
               f"{1000 * per_layer[1]:.2f} ms of {tokens[1]}: {row[1]:.0f} TFLOP/s + {1000 * row[2]:.2f} ms fixed",
@@ -128,16 +123,25 @@ def measure_layers(out, steps, warmup):
     return table
 
 
-def _kept_rows(table, shapes):
-    """The rows of `table` (this card's committed one) for the layer shapes not measured now."""
+def _shape_flags(h, ffn, heads, groups, seq):
+    """The engine flags of a layer shape (LAYER_SHAPES' first five fields)."""
+    return [*LLAMA, "--hidden-size", str(h), "--ffn-hidden-size", str(ffn), "--num-attention-heads", str(heads),
+            "--num-query-groups", str(groups), "--seq-length", str(seq)]
+
+
+def _layer_flops(h, ffn, heads, groups, seq):
+    """Forward FLOPs per token of one layer of that shape: the table's key."""
     from megatron_patch.config import parse_args
     from megatron_patch.planning.timing import layer_flops_per_token
 
+    return layer_flops_per_token(parse_args([*_shape_flags(h, ffn, heads, groups, seq), "--num-layers", "1"]), moe=False)
+
+
+def _kept_rows(table, shapes):
+    """The rows of `table` (this card's committed one) for the layer shapes not measured now."""
     kept = []
     for h, ffn, heads, groups, seq, _ in shapes:
-        f = layer_flops_per_token(parse_args([*LLAMA, "--hidden-size", str(h), "--ffn-hidden-size", str(ffn),
-                                              "--num-attention-heads", str(heads), "--num-query-groups", str(groups),
-                                              "--seq-length", str(seq), "--num-layers", "1"]), moe=False)
+        f = _layer_flops(h, ffn, heads, groups, seq)
         row = min(table, key=lambda r: abs(r[0] / f - 1))
         assert abs(row[0] / f - 1) < 1e-2, f"no row for h{h} in this card's table"
         kept.append(tuple(row) + (0.0,) * (3 - len(row)))

@@ -117,7 +117,7 @@ def verify_checkpoint(args) -> int:
     from megatron_patch.config.checkpoint_layout import read_manifest
     from megatron_patch.config.model_source import ARCHITECTURE, LORA
     from megatron_patch.config.resume import at_saved_layout, bound_to_saved_layout, layout
-    from megatron_patch.conversion.mcore_reader import resolve_checkpoint  # the path only: no tensor is read there
+    from megatron_patch.conversion.mcore_reader import FSDP_DTENSOR, resolve_checkpoint  # no tensor read
     from megatron_patch.conversion.verify import verify
     from megatron_patch.parallel import print_rank_0
 
@@ -128,7 +128,7 @@ def verify_checkpoint(args) -> int:
     if stored.get("lora_rank"):  # the engine model with its adapters, against the merged export or PEFT
         arch.update({key: stored[key] for key in LORA if key in stored})
     arch.update(model_vocab_size=info["vocab_size"], padded_vocab_size=info["padded_vocab_size"])
-    zero2 = manifest.get("format") == "fsdp_dtensor"  # Megatron-FSDP's format: loads only into its wrapped model
+    zero2 = manifest.get("format") == FSDP_DTENSOR  # Megatron-FSDP's format: loads only into its wrapped model
     cfg = engine_config(args, arch, zero_2_memory_optimization=zero2)
     cfg = cfg.replace(seq_length=verify_length(cfg, args.seq))
     cfg = initialize_model_run(cfg)
@@ -205,8 +205,9 @@ def saved_weights_dtype(manifest: Dict) -> str:
     """The dtype the checkpoint of `manifest` holds its weights in: Megatron-FSDP (ZeRO-2) saves its fp32 main
     weights, dist_checkpointing (ZeRO-0/1, conversions) the model's own, in the run's precision."""
     from megatron_patch.config import Config
+    from megatron_patch.conversion.mcore_reader import FSDP_DTENSOR
 
-    if manifest.get("format") == "fsdp_dtensor":
+    if manifest.get("format") == FSDP_DTENSOR:
         return "float32"
     cfg = Config.from_flat(manifest.get("config", {}))  # the run's precision, as any version stored it
     return "bfloat16" if cfg.bf16 else "float16" if cfg.fp16 else "float32"
